@@ -1,0 +1,301 @@
+"""Configuration: model configs parsed from a Hugging Face ``config.json``, speculative-decoding options,
+and the server arguments shared by every command.
+
+Model configs are plain dataclasses. ``parse_model_config`` picks the class from ``model_type``, ignores
+fields it does not know, applies ``--json-model-override-args`` and names any required field that is
+missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config.json or a flag combination that baton cannot serve; the message says what to fix."""
+
+
+_REQUIRED = object()
+
+
+def _req() -> Any:
+    return field(default=_REQUIRED)  # marks a field that config.json must provide
+
+
+def _from_dict(cls, data: dict[str, Any], where: str):
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {k: v for k, v in data.items() if k in names}
+    obj = cls(**kwargs)
+    missing = [f.name for f in dataclasses.fields(cls) if getattr(obj, f.name) is _REQUIRED]
+    if missing:
+        raise ConfigError(f"{where}: missing required field(s) {', '.join(missing)}")
+    return obj
+
+
+@dataclass
+class LlamaConfig:
+    """HF ``llama`` config (SmolLM2 and friends): GQA attention, SwiGLU MLP, rotate-half RoPE."""
+
+    vocab_size: int = _req()
+    hidden_size: int = _req()
+    intermediate_size: int = _req()
+    num_hidden_layers: int = _req()
+    num_attention_heads: int = _req()
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None
+    model_type: str = "llama"
+    num_nextn_predict_layers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None and self.hidden_size is not _REQUIRED:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+
+    @property
+    def num_layers_with_mtp(self) -> int:
+        return self.num_hidden_layers
+
+
+@dataclass
+class LingConfig:
+    """HF ``bailing_hybrid`` config (BailingMoeV3: Ling-3.0-flash, Ling-3.0-tiny). Defaults are Flash values;
+    see docs/ling3-architecture.md in the shared docs for the meaning of each field."""
+
+    vocab_size: int = _req()
+    hidden_size: int = _req()
+    intermediate_size: int = _req()
+    num_hidden_layers: int = _req()
+    num_attention_heads: int = _req()
+    num_experts: int = _req()
+    num_experts_per_tok: int = _req()
+    moe_intermediate_size: int = _req()
+    num_key_value_heads: int | None = None
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 262144
+    rope_theta: float = 6000000.0
+    rope_scaling: dict | None = None
+    rope_interleave: bool = True
+    tie_word_embeddings: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    layer_group_size: int = 6
+    short_conv_kernel_size: int = 4
+    no_kda_lora: bool = True
+    kda_safe_gate: bool = True
+    kda_lower_bound: float = -5.0
+    num_shared_experts: int = 1
+    moe_shared_expert_intermediate_size: int | None = None
+    first_k_dense_replace: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    moe_router_enable_expert_bias: bool = True
+    router_dtype: str = "fp32"
+    expert_swiglu_limit_list: list[float] | None = None
+    share_expert_swiglu_limit_list: list[float] | None = None
+    num_nextn_predict_layers: int = 0
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    torch_dtype: str | None = None
+    model_type: str = "bailing_hybrid"
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.moe_shared_expert_intermediate_size is None:
+            self.moe_shared_expert_intermediate_size = self.moe_intermediate_size
+
+    def validate(self) -> None:
+        if self.num_experts % self.n_group:
+            raise ConfigError(f"num_experts {self.num_experts} is not divisible by n_group {self.n_group}")
+        if self.topk_group > self.n_group:
+            raise ConfigError(f"topk_group {self.topk_group} > n_group {self.n_group}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError("num_experts_per_tok > num_experts")
+        for name in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
+            lst = getattr(self, name)
+            if lst is not None and len(lst) < self.num_hidden_layers:
+                raise ConfigError(f"{name} has {len(lst)} entries, need num_hidden_layers={self.num_hidden_layers}")
+
+    # ---- layer layout (ling3-architecture.md §2) ----
+    def is_mla_layer(self, layer_id: int) -> bool:
+        g = self.layer_group_size
+        full = (self.num_hidden_layers // g) * g
+        return (layer_id + 1) % g == 0 or layer_id >= full
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return layer_id >= self.first_k_dense_replace
+
+    def expert_swiglu_limit(self, layer_id: int) -> float:
+        lst = self.expert_swiglu_limit_list
+        return float(lst[layer_id]) if lst is not None and layer_id < len(lst) else 0.0
+
+    def shared_swiglu_limit(self, layer_id: int) -> float:
+        lst = self.share_expert_swiglu_limit_list
+        return float(lst[layer_id]) if lst is not None and layer_id < len(lst) else 0.0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kda_layer_ids(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if not self.is_mla_layer(i)]
+
+    @property
+    def mla_layer_ids(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_mla_layer(i)]
+
+
+ModelConfig = LlamaConfig | LingConfig
+
+_MODEL_TYPES: dict[str, type] = {"llama": LlamaConfig, "bailing_hybrid": LingConfig}
+
+
+def parse_model_config(data: dict[str, Any], overrides: str | dict | None = None) -> ModelConfig:
+    """Build a model config from a parsed config.json dict, applying a JSON override string or dict."""
+    data = dict(data)
+    if overrides:
+        if isinstance(overrides, str):
+            try:
+                overrides = json.loads(overrides)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--json-model-override-args is not valid JSON: {e}") from e
+        if not isinstance(overrides, dict):
+            raise ConfigError("--json-model-override-args must be a JSON object")
+        data.update(overrides)
+    model_type = data.get("model_type")
+    if model_type is None:
+        raise ConfigError("config.json: missing required field model_type")
+    cls = _MODEL_TYPES.get(model_type)
+    if cls is None:
+        raise ConfigError(
+            f"model_type {model_type!r} is not supported; baton serves {', '.join(sorted(_MODEL_TYPES))}"
+        )
+    cfg = _from_dict(cls, data, "config.json")
+    if isinstance(cfg, LingConfig):
+        cfg.validate()
+    return cfg
+
+
+def load_model_config(model_path: str, overrides: str | dict | None = None) -> ModelConfig:
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{model_path}: no config.json (is --model-path a Hugging Face model directory?)")
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+    return parse_model_config(data, overrides)
+
+
+def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if v is not _REQUIRED}
+
+
+SPEC_ALGORITHMS = ("NEXTN", "EAGLE", "DSPARK", "DFLASH")
+
+
+@dataclass
+class SpecConfig:
+    """Speculative-decoding options, named as SGLang's ``--speculative-*`` flags."""
+
+    algorithm: str | None = None
+    draft_model_path: str | None = None
+    num_steps: int | None = None
+    eagle_topk: int = 1
+    num_draft_tokens: int | None = None
+    simulate_accept_len: float | None = None
+    dspark_sps_table_path: str | None = None
+    dspark_confidence_sts_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.algorithm is None:
+            return
+        self.algorithm = self.algorithm.upper()
+        if self.algorithm not in SPEC_ALGORITHMS:
+            raise ConfigError(
+                f"--speculative-algorithm {self.algorithm}: choose one of {', '.join(SPEC_ALGORITHMS)}"
+            )
+        if self.algorithm == "EAGLE":
+            self.algorithm = "NEXTN"
+        if self.eagle_topk != 1:
+            raise ConfigError(
+                f"--speculative-eagle-topk {self.eagle_topk} is not supported: baton drafts chains (topk=1), "
+                "which keeps KDA states indexable by position"
+            )
+        if self.algorithm == "NEXTN":
+            if self.num_steps is None:
+                self.num_steps = 3 if self.num_draft_tokens is None else self.num_draft_tokens - 1
+            if self.num_steps < 1:
+                raise ConfigError("--speculative-num-steps must be >= 1")
+            if self.num_draft_tokens is None:
+                self.num_draft_tokens = self.num_steps + 1
+            if self.num_draft_tokens != self.num_steps + 1:
+                raise ConfigError(
+                    f"--speculative-num-draft-tokens {self.num_draft_tokens} must equal "
+                    f"--speculative-num-steps + 1 = {self.num_steps + 1} for a topk=1 chain"
+                )
+        if self.simulate_accept_len is not None and self.simulate_accept_len < 1.0:
+            raise ConfigError("--speculative-simulate-accept-len must be >= 1 (it counts the bonus token)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.algorithm is not None
+
+    @property
+    def gamma(self) -> int | None:
+        """DSpark/DFlash draft count: num_draft_tokens = gamma + 1 (DeepSpec slot convention)."""
+        return None if self.num_draft_tokens is None else self.num_draft_tokens - 1
+
+
+@dataclass
+class ServerArgs:
+    """Every flag of ``baton serve`` / ``baton generate`` (SGLang names, snake_case)."""
+
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str | None = None
+    json_model_override_args: str | None = None
+    context_length: int | None = None
+    seed: int = 0
+    tp_size: int = 1
+    disable_cuda_graph: bool = False
+    mem_fraction_static: float | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    log_level: str = "info"
+    served_model_name: str | None = None
+    max_request_bytes: int = 8 * 1024 * 1024
+    router_fp32: bool = False
+    spec: SpecConfig = field(default_factory=SpecConfig)
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.model_path is None or self.model_path == "embedded"

@@ -1,0 +1,37 @@
+"""The only module that reads ``os.environ``: every ``BATON_*`` variable, typed, with its default."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _get(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def cache_dir() -> Path:
+    """Where converted tokenizers and other derived files live (``BATON_CACHE_DIR``)."""
+    base = _get("BATON_CACHE_DIR") or os.path.join(
+        _get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "baton"
+    )
+    return Path(base)
+
+
+def log_level() -> str:
+    return (_get("BATON_LOG_LEVEL") or "info").lower()
+
+
+def pin_cpu_core() -> int | None:
+    """Core to pin the engine thread to (``BATON_PIN_CORE``); unset leaves scheduling to the OS."""
+    v = _get("BATON_PIN_CORE")
+    return int(v) if v not in (None, "") else None
+
+
+def disable_progress() -> bool:
+    return _get("BATON_NO_PROGRESS", "0") not in ("0", "", "false", "False")
+
+
+def num_threads() -> int | None:
+    v = _get("BATON_NUM_THREADS")
+    return int(v) if v else None
