@@ -134,10 +134,6 @@ class LingConfig:
             raise ConfigError(f"topk_group {self.topk_group} > n_group {self.n_group}")
         if self.num_experts_per_tok > self.num_experts:
             raise ConfigError("num_experts_per_tok > num_experts")
-        for name in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
-            lst = getattr(self, name)
-            if lst is not None and len(lst) < self.num_hidden_layers:
-                raise ConfigError(f"{name} has {len(lst)} entries, need num_hidden_layers={self.num_hidden_layers}")
 
     # ---- layer layout (ling3-architecture.md §2) ----
     def is_mla_layer(self, layer_id: int) -> bool:

@@ -35,3 +35,13 @@ def disable_progress() -> bool:
 def num_threads() -> int | None:
     v = _get("BATON_NUM_THREADS")
     return int(v) if v else None
+
+
+def openai_api_key() -> str | None:
+    """``OPENAI_API_KEY``: the bench client sends it as ``Authorization: Bearer <key>``."""
+    return _get("OPENAI_API_KEY") or None
+
+
+def api_key() -> str | None:
+    """``API_KEY``: the bench client's fallback, sent as a raw ``Authorization`` header (SGLang's rule)."""
+    return _get("API_KEY") or None

@@ -1,0 +1,213 @@
+"""The engine: owns the target model, its caches, the drafter and the tokenizer, and runs one request at a
+time through the batch-1 loop: prefill, then repeat {draft, verify, accept, commit, emit}.
+
+This is the eager path (CPU, and CUDA with --disable-cuda-graph); it reads the accept count on the host.
+The CUDA-graph path follows the same stages with the relay keeping every per-step value on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from baton.config import ConfigError, LingConfig, ServerArgs
+from baton.engine.output import OutputTracker
+from baton.engine.runner import ModelRunner
+from baton.models.load import load_target
+from baton.models.loader import parse_dtype
+from baton.ops.sampling import logits_to_probs, sample_from_probs
+from baton.spec.base import Drafter
+from baton.spec.verify import Verdict, greedy_verify, rejection_verify
+from baton.types import ForwardMode, Request, SamplingParams, SpecStats, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Engine:
+    def __init__(self, args: ServerArgs) -> None:
+        self.server_args = args
+        self.device = pick_device(args.device)
+        self.dtype = parse_dtype(args.dtype, self.device)
+        loaded = load_target(args, self.device, self.dtype)
+        self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        self.model_path, self.tokenizer_path = loaded.model_path, loaded.tokenizer_path
+        self.served_model_name = args.served_model_name or self.model_path
+        self.model.lm_head_fp32 = True
+        self.context_length = self._context_length()
+        spec = args.spec
+        self.num_draft_tokens = spec.num_draft_tokens if spec.enabled else 1
+        cache = self.model.make_cache(self.context_length + self.num_draft_tokens + 1, self.dtype, self.device,
+                                      max_stage=self.num_draft_tokens)
+        self.runner = ModelRunner(cache, self.device)
+        self.drafter: Drafter | None = None
+        if spec.enabled:
+            from baton.spec.factory import build_drafter
+
+            self.drafter = build_drafter(self, spec)
+        self.spec_stats = SpecStats()
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids) | _config_eos(self.model_config)
+        self._sim_generator = torch.Generator().manual_seed(args.seed)
+
+    # ---- public API (baton/engine/README.contract.md) ----
+
+    def validate_request(self, req: Request) -> None:
+        req.sampling.validate()
+        if not req.input_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in req.input_ids):
+            raise ValueError(f"input_ids must lie in [0, {vocab})")
+        total = len(req.input_ids) + req.sampling.max_new_tokens
+        if total > self.context_length:
+            raise ValueError(
+                f"prompt ({len(req.input_ids)} tokens) + max_new_tokens ({req.sampling.max_new_tokens}) = "
+                f"{total} exceeds the context length {self.context_length}"
+            )
+
+    def flush_cache(self) -> None:
+        self.spec_stats.reset()
+        self.runner.cache.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+
+    def model_info(self) -> dict:
+        return {"model_path": self.model_path, "tokenizer_path": self.tokenizer_path, "is_generation": True,
+                "model_type": self.model_config.model_type, "served_model_name": self.served_model_name,
+                "context_length": self.context_length}
+
+    def server_info(self) -> dict:
+        args = self.server_args
+        info = {k: v for k, v in vars(args).items() if k != "spec"}
+        info.update({f"speculative_{k}": v for k, v in vars(args.spec).items()})
+        info.update(device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
+                    context_length=self.context_length, avg_spec_accept_length=self.spec_stats.avg_accept_length,
+                    spec_accept_histogram=dict(self.spec_stats.accept_histogram))
+        return info
+
+    def generate(self, req: Request, should_abort: Callable[[], bool] | None = None) -> Iterator[StepOutput]:
+        self.validate_request(req)
+        with torch.inference_mode():
+            yield from self._generate(req, should_abort or (lambda: False))
+
+    # ---- the loop ----
+
+    def _generate(self, req: Request, should_abort: Callable[[], bool]) -> Iterator[StepOutput]:
+        sp = req.sampling
+        out = OutputTracker(self.tokenizer, sp, self.eos_token_ids)
+        if sp.max_new_tokens == 0:
+            yield StepOutput([], "", True, {"type": "length", "length": 0})
+            return
+        gen = self._generator(sp)
+        self.runner.cache.reset()
+        prompt = torch.tensor(req.input_ids, dtype=torch.long, device=self.device)
+        num_prompt = prompt.shape[0]
+        capture = self.drafter.capture_layer_ids if self.drafter else ()
+        ctx = self.runner.context(ForwardMode.PREFILL, 0, num_prompt, capture)
+        hidden = self.model(prompt, ctx)
+        anchor = self._sample(self.model.compute_logits(hidden[-1:]), sp, gen)  # [1]
+        if self.drafter is not None:
+            self.drafter.reset()
+            self.drafter.begin(prompt, hidden, ctx.captured, anchor, sp, gen)
+        num_verify = 0
+        simulated = self.server_args.spec.simulate_accept_len is not None
+        yield self._emit(out, anchor.tolist(), num_verify, simulated)
+        pos = num_prompt  # position of the anchor: committed tokens are 0 .. pos-1
+        while not out.finished:
+            if should_abort():
+                e = out.abort()
+                yield StepOutput([], e.text, True, e.finish_reason, num_verify, simulated)
+                return
+            if self.drafter is None:
+                ctx = self.runner.context(ForwardMode.DECODE, pos, 1)
+                anchor = self._sample(self.model.compute_logits(self.model(anchor, ctx)), sp, gen)
+                pos += 1
+                yield self._emit(out, anchor.tolist(), num_verify, simulated)
+                continue
+            verdict = self._spec_step(anchor, pos, sp, gen)
+            num_verify += 1
+            a = int(verdict.num_accepted)
+            self.spec_stats.record(a)
+            pos += a + 1
+            anchor = verdict.bonus.reshape(1)
+            yield self._emit(out, verdict.accepted_tokens[: a + 1].tolist(), num_verify, simulated)
+
+    def _spec_step(self, anchor: torch.Tensor, pos: int, sp: SamplingParams, gen) -> Verdict:
+        """draft -> verify -> accept -> commit -> extend, for the anchor at ``pos``."""
+        draft = self.drafter.draft(anchor, pos, sp, gen)
+        verify_ids = torch.cat([anchor, draft.tokens])
+        ctx = self.runner.context(ForwardMode.VERIFY, pos, verify_ids.shape[0], self.drafter.capture_layer_ids)
+        hidden = self.model(verify_ids, ctx)
+        logits = self.model.compute_logits(hidden)  # [k+1, V]
+        verdict = self._verify(draft, logits, sp, gen)
+        self.runner.cache.commit(verdict.num_accepted)
+        self.drafter.extend(verdict.accepted_tokens, hidden, ctx.captured, int(verdict.num_accepted), pos, sp, gen)
+        return verdict
+
+    def _verify(self, draft, logits: torch.Tensor, sp: SamplingParams, gen) -> Verdict:
+        sim = self.server_args.spec.simulate_accept_len
+        target_probs = None
+        if not sp.is_greedy:
+            target_probs = logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+        if sim is None:
+            if target_probs is None:
+                return greedy_verify(draft.tokens, logits)
+            return rejection_verify(draft.tokens, draft.probs, target_probs, gen)
+        a = self._simulated_accept(draft.tokens.shape[0], sim)
+        num_accepted = torch.tensor(a, device=logits.device)
+        row = logits[a : a + 1] if target_probs is None else target_probs[a : a + 1]
+        bonus = row.argmax(-1)[0] if target_probs is None else sample_from_probs(row, gen)[0]
+        tokens = torch.cat([draft.tokens[:a], bonus.reshape(1), draft.tokens[a:]])[: draft.tokens.shape[0] + 1]
+        return Verdict(num_accepted, bonus, tokens)
+
+    def _simulated_accept(self, k: int, accept_len: float) -> int:
+        """--speculative-simulate-accept-len L: accepted drafts a take the two integers around L - 1
+        (clipped to [0, k]) with probabilities that make the mean exactly L - 1, so the mean accept length
+        (a + 1) is L whenever L - 1 <= k."""
+        m = min(max(accept_len - 1.0, 0.0), float(k))
+        lo = math.floor(m)
+        u = torch.rand(1, generator=self._sim_generator).item()
+        return min(lo + (1 if u < m - lo else 0), k)
+
+    def _sample(self, logits: torch.Tensor, sp: SamplingParams, gen) -> torch.Tensor:
+        if sp.is_greedy:
+            return logits.argmax(-1)
+        return sample_from_probs(logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p), gen)
+
+    def _generator(self, sp: SamplingParams) -> torch.Generator | None:
+        if sp.is_greedy:
+            return None
+        seed = sp.seed if sp.seed is not None else int(time.time_ns() % (2**63))
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _emit(self, out: OutputTracker, token_ids: list[int], num_verify: int, simulated: bool) -> StepOutput:
+        e = out.add(token_ids)
+        return StepOutput(e.token_ids, e.text, out.finished, e.finish_reason, num_verify, simulated)
+
+    def _context_length(self) -> int:
+        cfg = self.model_config
+        limit = self.server_args.context_length
+        max_pos = getattr(cfg, "max_position_embeddings", 8192)
+        if limit is None:
+            return min(max_pos, 32768 if self.device.type == "cuda" else 8192)
+        if limit < 2:
+            raise ConfigError("--context-length must be at least 2")
+        if limit > max_pos and not isinstance(cfg, LingConfig):
+            log.warning("--context-length %d exceeds the model's max_position_embeddings %d", limit, max_pos)
+        return limit
+
+
+def _config_eos(cfg) -> set[int]:
+    eos = getattr(cfg, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}

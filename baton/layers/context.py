@@ -1,0 +1,38 @@
+"""What one forward pass needs to know besides its input tokens: the mode, the positions, the caches.
+
+Positions live in a device tensor so that a captured CUDA graph can replay with new positions. ``kv_len``
+is a host integer known on the eager path (it lets attention slice the cache); inside a graph it is None
+and attention covers the whole preallocated cache with a position mask instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from baton.types import ForwardMode
+
+if TYPE_CHECKING:
+    from baton.cache.model_cache import ModelCache
+
+
+@dataclass
+class ForwardContext:
+    mode: ForwardMode
+    positions: torch.Tensor  # [T] int64, absolute position of each input token
+    cache: ModelCache
+    kv_len: int | None = None  # host-known cache length after this forward (eager path only)
+    capture_layer_ids: tuple[int, ...] = ()  # decoder layers whose outputs to keep (DSpark features)
+    captured: list[torch.Tensor] = field(default_factory=list)  # filled in layer-id order
+    block_causal_len: int | None = None  # DSpark: last this-many queries attend bidirectionally
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def stages_state(self) -> bool:
+        """Verify runs the linear-attention recurrence without touching the persistent state."""
+        return self.mode is ForwardMode.VERIFY

@@ -1,0 +1,94 @@
+"""Ling's gated multi-head latent attention (MLA) over a 576-value latent cache.
+
+Prefill expands the latent cache with ``kv_b_proj`` and runs ordinary multi-head attention; decode, verify
+and draft forwards use the weight-absorbed form (``q_nope`` folded through W_UK, the output through W_UV),
+which is MQA with one 576-wide key. Both write the same latent cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baton.cache.kv import MLACache
+from baton.config import LingConfig
+from baton.layers.context import ForwardContext
+from baton.layers.linear import Linear
+from baton.layers.norm import RMSNorm
+from baton.layers.rope import RotaryEmbedding
+from baton.ops.attention import attention
+from baton.ops.mla_decode import mla_decode
+from baton.types import ForwardMode
+
+
+class MLAttention(nn.Module):
+    def __init__(self, layer_id: int, cfg: LingConfig, rope: RotaryEmbedding, device=None, dtype=None) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = h
+        self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.qk_dim = self.nope_dim + self.rope_dim
+        self.scale = self.qk_dim**-0.5
+        self.q_lora_rank = cfg.q_lora_rank
+        kw = dict(device=device, dtype=dtype)
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(d, h * self.qk_dim, **kw)
+        else:
+            self.q_a_proj = Linear(d, cfg.q_lora_rank, **kw)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, **kw)
+            self.q_b_proj = Linear(cfg.q_lora_rank, h * self.qk_dim, **kw)
+        self.kv_a_proj_with_mqa = Linear(d, self.kv_lora_rank + self.rope_dim, **kw)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps, **kw)
+        self.kv_b_proj = Linear(self.kv_lora_rank, h * (self.nope_dim + self.v_dim), **kw)
+        self.g_proj = Linear(d, h, **kw)
+        self.dense = Linear(h * self.v_dim, d, **kw)
+        self.rope = rope
+
+    def _q(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], self.num_heads, self.qk_dim)
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]  # [H, nope, C], [H, v, C]
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        t = x.shape[0]
+        q = self._q(x)
+        q_nope, q_rope = q[..., : self.nope_dim], self.rope(ctx.positions, q[..., self.nope_dim :])
+        kv = self.kv_a_proj_with_mqa(x)
+        c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
+        k_rope = self.rope(ctx.positions, kv[:, self.kv_lora_rank :])
+        cache: MLACache = ctx.cache[self.layer_id]
+        cache.write(ctx.positions, torch.cat([c, k_rope], dim=-1))
+        latent = cache.view(ctx.kv_len)
+        if ctx.mode is ForwardMode.PREFILL:
+            o = self._attend_expanded(q_nope, q_rope, latent, ctx.positions)
+        else:
+            o = self._attend_absorbed(q_nope, q_rope, latent, ctx.positions)
+        gate = torch.sigmoid(self.g_proj(x).float())[:, :, None]  # [T, H, 1]
+        o = (o.float() * gate).to(x.dtype)
+        return self.dense(o.reshape(t, self.num_heads * self.v_dim))
+
+    def _attend_expanded(self, q_nope, q_rope, latent, positions) -> torch.Tensor:
+        s = latent.shape[0]
+        kv = self.kv_b_proj(latent[:, : self.kv_lora_rank]).view(s, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv[..., : self.nope_dim], kv[..., self.nope_dim :]
+        k_rope = latent[:, None, self.kv_lora_rank :].expand(s, self.num_heads, self.rope_dim)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope.to(k_nope.dtype)], dim=-1)
+        return attention(q, k, v, positions, self.scale)
+
+    def _attend_absorbed(self, q_nope, q_rope, latent, positions) -> torch.Tensor:
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = torch.einsum("thn,hnc->thc", q_nope, w_uk)  # [T, H, C]
+        o_lat = mla_decode(q_lat, q_rope, latent, positions, self.kv_lora_rank, self.scale)  # [T, H, C]
+        return torch.einsum("thc,hvc->thv", o_lat, w_uv)  # [T, H, v]
+
+    def make_cache(self, max_len: int, dtype: torch.dtype, device) -> MLACache:
+        return MLACache(max_len, self.kv_lora_rank, self.rope_dim, dtype, device)

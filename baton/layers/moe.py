@@ -1,0 +1,63 @@
+"""Ling's MoE block: sigmoid router with an expert_bias used only for selection, group-limited top-k,
+renormalised weights times routed_scaling_factor, fused routed experts and an unscaled shared expert,
+each with its own post-SiLU SwiGLU clamp."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baton.config import LingConfig
+from baton.layers.mlp import MLP
+from baton.ops.moe import fused_experts, grouped_topk
+
+
+class Router(nn.Module):
+    def __init__(self, hidden_size: int, num_experts: int, use_bias: bool, device=None, dtype=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+        if use_bias:
+            self.expert_bias = nn.Parameter(torch.zeros(num_experts, device=device, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+
+
+class Experts(nn.Module):
+    """All routed experts stacked: ``w13 [E, 2I, d]`` (gate rows, then up rows) and ``w2 [E, d, I]``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, inter: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, device=device, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter, device=device, dtype=dtype))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, layer_id: int, cfg: LingConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        self.renormalize, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.expert_limit = cfg.expert_swiglu_limit(layer_id)
+        self.router_fp32 = cfg.router_dtype in ("fp32", "float32")
+        kw = dict(device=device, dtype=dtype)
+        self.gate = Router(cfg.hidden_size, cfg.num_experts, cfg.moe_router_enable_expert_bias, **kw)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, **kw)
+        self.shared_experts = None
+        if cfg.num_shared_experts:
+            inter = cfg.moe_shared_expert_intermediate_size * cfg.num_shared_experts
+            self.shared_experts = MLP(cfg.hidden_size, inter, cfg.shared_swiglu_limit(layer_id), **kw)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.router_fp32:
+            logits = x.float() @ self.gate.weight.float().t()
+        else:
+            logits = (x @ self.gate.weight.t()).float()
+        return grouped_topk(torch.sigmoid(logits), self.gate.expert_bias, self.top_k, self.n_group,
+                            self.topk_group, self.renormalize, self.scaling)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_ids, topk_weights = self.route(x)
+        y = fused_experts(x, self.experts.w13, self.experts.w2, topk_ids, topk_weights, self.expert_limit)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x).float()
+        return y.to(x.dtype)

@@ -1,0 +1,37 @@
+"""Helpers shared by tests: build tiny models, run full / incremental forwards."""
+
+from __future__ import annotations
+
+import torch
+
+from baton.config import parse_model_config
+from baton.engine.runner import ModelRunner
+from baton.models.load import build_model
+from baton.models.loader import init_dummy_weights
+from baton.types import ForwardMode
+
+
+def tiny_model(cfg_dict: dict, seed: int = 0, **overrides):
+    cfg = parse_model_config({**cfg_dict, **overrides})
+    model = build_model(cfg, "cpu", torch.float32)
+    init_dummy_weights(model, seed)
+    return model
+
+
+def full_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    runner = ModelRunner(model.make_cache(ids.shape[0] + 8, torch.float32, "cpu"), torch.device("cpu"))
+    with torch.inference_mode():
+        ctx = runner.context(ForwardMode.PREFILL, 0, ids.shape[0])
+        return model.compute_logits(model(ids, ctx))
+
+
+def incremental_logits(model, ids: torch.Tensor, prefill_len: int) -> torch.Tensor:
+    runner = ModelRunner(model.make_cache(ids.shape[0] + 8, torch.float32, "cpu"), torch.device("cpu"))
+    outs = []
+    with torch.inference_mode():
+        ctx = runner.context(ForwardMode.PREFILL, 0, prefill_len)
+        outs.append(model.compute_logits(model(ids[:prefill_len], ctx)))
+        for t in range(prefill_len, ids.shape[0]):
+            ctx = runner.context(ForwardMode.DECODE, t, 1)
+            outs.append(model.compute_logits(model(ids[t : t + 1], ctx)))
+    return torch.cat(outs)
