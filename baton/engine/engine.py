@@ -57,6 +57,8 @@ class Engine:
         self.spec_stats = SpecStats()
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | _config_eos(self.model_config)
         self._sim_generator = torch.Generator().manual_seed(args.seed)
+        self.last_sequence: list[int] = []  # prompt + generated tokens of the latest request (tests read it)
+        self.last_pos = 0  # tokens whose states are committed in the caches
 
     # ---- public API (baton/engine/README.contract.md) ----
 
@@ -120,9 +122,11 @@ class Engine:
             self.drafter.begin(prompt, hidden, ctx.captured, anchor, sp, gen)
         num_verify = 0
         simulated = self.server_args.spec.simulate_accept_len is not None
+        self.last_sequence = list(req.input_ids) + anchor.tolist()
         yield self._emit(out, anchor.tolist(), num_verify, simulated)
         pos = num_prompt  # position of the anchor: committed tokens are 0 .. pos-1
         while not out.finished:
+            self.last_pos = pos
             if should_abort():
                 e = out.abort()
                 yield StepOutput([], e.text, True, e.finish_reason, num_verify, simulated)
@@ -131,6 +135,7 @@ class Engine:
                 ctx = self.runner.context(ForwardMode.DECODE, pos, 1)
                 anchor = self._sample(self.model.compute_logits(self.model(anchor, ctx)), sp, gen)
                 pos += 1
+                self.last_sequence += anchor.tolist()
                 yield self._emit(out, anchor.tolist(), num_verify, simulated)
                 continue
             verdict = self._spec_step(anchor, pos, sp, gen)
@@ -139,7 +144,10 @@ class Engine:
             self.spec_stats.record(a)
             pos += a + 1
             anchor = verdict.bonus.reshape(1)
-            yield self._emit(out, verdict.accepted_tokens[: a + 1].tolist(), num_verify, simulated)
+            new_tokens = verdict.accepted_tokens[: a + 1].tolist()
+            self.last_sequence += new_tokens
+            yield self._emit(out, new_tokens, num_verify, simulated)
+        self.last_pos = pos
 
     def _spec_step(self, anchor: torch.Tensor, pos: int, sp: SamplingParams, gen) -> Verdict:
         """draft -> verify -> accept -> commit -> extend, for the anchor at ``pos``."""

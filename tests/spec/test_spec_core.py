@@ -1,0 +1,145 @@
+"""The speculative-decoding invariants on CPU in fp32: greedy speculative output equals plain decoding,
+committed KDA states equal those of plain decoding, a sampled request leaves no trace, flag errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.config import ConfigError, SpecConfig
+from baton.engine.runner import ModelRunner
+from baton.spec.base import Draft, Drafter
+from baton.types import ForwardMode, Request, SamplingParams
+from tests.spec.conftest import make_engine
+
+PROMPT = [5, 17, 3, 42, 8, 23, 11, 60, 2 + 7, 31, 4, 19]
+
+
+def run(engine, prompt=PROMPT, max_new_tokens=40, **sp) -> tuple[list[int], int]:
+    params = SamplingParams(temperature=sp.pop("temperature", 0.0), max_new_tokens=max_new_tokens,
+                            ignore_eos=True, **sp)
+    tokens, verify = [], 0
+    for out in engine.generate(Request(list(prompt), params)):
+        tokens.extend(out.token_ids)
+        verify = out.num_verify_steps
+    return tokens, verify
+
+
+@pytest.fixture(scope="module")
+def plain(ling_path, llama_path):
+    engines = {"ling": make_engine(ling_path), "llama": make_engine(llama_path)}
+    return {name: run(engine)[0] for name, engine in engines.items()}
+
+
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_nextn_greedy_equals_plain_ling(plain, ling_path, steps):
+    engine = make_engine(ling_path, algorithm="NEXTN", num_steps=steps)
+    tokens, verify = run(engine)
+    assert tokens == plain["ling"]
+    assert verify > 0 and len(tokens) / verify >= 1.0
+
+
+@pytest.mark.parametrize("steps", [1, 3, 5])
+def test_nextn_greedy_equals_plain_llama(plain, llama_path, llama_nextn_path, steps):
+    engine = make_engine(llama_path, algorithm="EAGLE", num_steps=steps, draft_model_path=llama_nextn_path)
+    tokens, _ = run(engine)
+    assert tokens == plain["llama"]
+
+
+class OracleDrafter(Drafter):
+    """Proposes the target's own greedy continuation: every draft is accepted (the maximum)."""
+
+    def __init__(self, sequence: list[int], k: int) -> None:
+        self.sequence, self.num_draft_tokens = sequence, k + 1
+        self.k = k
+
+    def reset(self) -> None:
+        pass
+
+    def begin(self, *args) -> None:
+        pass
+
+    def draft(self, anchor, anchor_pos, sampling, generator) -> Draft:
+        nxt = self.sequence[anchor_pos + 1 : anchor_pos + 1 + self.k]
+        nxt += [0] * (self.k - len(nxt))
+        return Draft(torch.tensor(nxt), None)
+
+    def extend(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("target", ["ling", "llama"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_oracle_draft_accepts_everything(plain, ling_path, llama_path, llama_nextn_path, target, k):
+    path = ling_path if target == "ling" else llama_path
+    extra = {} if target == "ling" else {"draft_model_path": llama_nextn_path}
+    engine = make_engine(path, algorithm="NEXTN", num_steps=k, **extra)
+    engine.drafter = OracleDrafter(PROMPT + plain[target], k)
+    tokens, verify = run(engine)
+    assert tokens == plain[target]
+    assert engine.spec_stats.accept_histogram.get(k, 0) == verify - 1 or verify * (k + 1) >= len(tokens)
+    assert verify == -(-(len(tokens) - 1) // (k + 1))  # every step commits k + 1 tokens
+
+
+def _reference_states(engine, sequence: list[int]):
+    model = engine.model
+    runner = ModelRunner(model.make_cache(len(sequence) + 4, torch.float32, "cpu"), torch.device("cpu"))
+    with torch.inference_mode():
+        ctx = runner.context(ForwardMode.PREFILL, 0, len(sequence))
+        model(torch.tensor(sequence), ctx)
+    return runner.cache.kda_states()
+
+
+@pytest.mark.parametrize("steps", [2, 5])
+def test_committed_kda_state_equals_plain(ling_path, steps):
+    engine = make_engine(ling_path, algorithm="NEXTN", num_steps=steps)
+    run(engine, max_new_tokens=37)
+    committed = engine.last_sequence[: engine.last_pos]
+    for got, want in zip(engine.runner.cache.kda_states(), _reference_states(engine, committed), strict=True):
+        torch.testing.assert_close(got.recurrent, want.recurrent, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.conv, want.conv, rtol=1e-5, atol=1e-5)
+
+
+def test_sampled_request_leaves_no_trace(ling_path):
+    engine = make_engine(ling_path, algorithm="NEXTN", num_steps=3)
+    first, _ = run(engine)
+    sampled, _ = run(engine, temperature=1.0, seed=7)
+    assert sampled != first
+    again, _ = run(engine)
+    assert again == first
+
+
+def test_seeded_sampling_reproducible(ling_path):
+    engine = make_engine(ling_path, algorithm="NEXTN", num_steps=3)
+    a, _ = run(engine, temperature=0.8, top_p=0.9, seed=123)
+    b, _ = run(engine, temperature=0.8, top_p=0.9, seed=123)
+    assert a == b
+
+
+def test_simulated_accept_length(ling_path):
+    engine = make_engine(ling_path, algorithm="NEXTN", num_steps=5, simulate_accept_len=3.25)
+    tokens, verify = run(engine, max_new_tokens=400)
+    assert abs(engine.spec_stats.avg_accept_length - 3.25) < 0.15
+    outs = list(engine.generate(Request(PROMPT, SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True))))
+    assert all(o.simulated for o in outs)
+
+
+def test_flag_errors(llama_path, tmp_path):
+    with pytest.raises(ConfigError, match="topk"):
+        SpecConfig(algorithm="NEXTN", num_steps=3, eagle_topk=4)
+    with pytest.raises(ConfigError, match="steps \\+ 1"):
+        SpecConfig(algorithm="NEXTN", num_steps=3, num_draft_tokens=5)
+    with pytest.raises(ConfigError, match="MTP layer|draft-model-path"):
+        make_engine(llama_path, algorithm="NEXTN", num_steps=2)
+
+
+def test_draft_for_other_vocab_is_refused(ckpt_root, llama_path):
+    from baton.cli import main as baton_main
+    from tests.conftest import TINY_LLAMA
+    from tests.spec.conftest import write_checkpoint
+
+    other = write_checkpoint(ckpt_root, "llama_other_vocab", {**TINY_LLAMA, "vocab_size": 77})
+    out = str(ckpt_root / "other_nextn")
+    assert baton_main(["convert", "random-draft", "--target", other, "--output", out]) == 0
+    with pytest.raises(ConfigError, match="vocabulary"):
+        make_engine(llama_path, algorithm="NEXTN", num_steps=2, draft_model_path=out)
