@@ -45,6 +45,10 @@ class Engine:
         self.model.lm_head_fp32 = True
         self.context_length = self._context_length()
         spec = args.spec
+        if spec.algorithm in ("DSPARK", "DFLASH"):
+            from baton.spec.dspark import resolve_dspark_spec
+
+            resolve_dspark_spec(spec)  # num_draft_tokens = checkpoint block size + 1 when unset
         self.num_draft_tokens = spec.num_draft_tokens if spec.enabled else 1
         cache = self.model.make_cache(self.context_length + self.num_draft_tokens + 1, self.dtype, self.device,
                                       max_stage=self.num_draft_tokens)

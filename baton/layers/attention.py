@@ -1,4 +1,4 @@
-"""Grouped-query attention (Llama) over a preallocated KV cache, rotate-half RoPE."""
+"""Grouped-query attention (Llama) over a preallocated KV cache, rotate-half RoPE, fused q/k/v projection."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from torch import nn
 
 from baton.cache.kv import KVCache
 from baton.layers.context import ForwardContext
-from baton.layers.linear import Linear
+from baton.layers.linear import FusedLinear, Linear
+from baton.layers.norm import RMSNorm
 from baton.layers.rope import RotaryEmbedding
 from baton.ops.attention import attention
+from baton.ops.linear import linear
 
 
 class GQAttention(nn.Module):
@@ -19,23 +21,25 @@ class GQAttention(nn.Module):
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
-        self.q_proj = Linear(hidden_size, num_heads * head_dim, device=device, dtype=dtype)
-        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, device=device, dtype=dtype)
-        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, device=device, dtype=dtype)
-        self.o_proj = Linear(num_heads * head_dim, hidden_size, device=device, dtype=dtype)
+        q_rows, kv_rows = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = FusedLinear(hidden_size, [("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)],
+                                    device=device, dtype=dtype)
+        self.o_proj = Linear(q_rows, hidden_size, device=device, dtype=dtype)
         self.rope = rope
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``[residual +] o_proj(attention(norm(x)))``."""
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rope(ctx.positions, q), self.rope(ctx.positions, k)
+        qkv = linear(x, self.qkv_proj.weight, None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
+        q, k, v = self.qkv_proj.split(qkv)
+        q = self.rope(ctx.positions, q.reshape(t, self.num_heads, self.head_dim))
+        k = self.rope(ctx.positions, k.reshape(t, self.num_kv_heads, self.head_dim))
         cache: KVCache = ctx.cache[self.layer_id]
-        cache.write(ctx.positions, k, v)
+        cache.write(ctx.positions, k, v.reshape(t, self.num_kv_heads, self.head_dim))
         k_all, v_all = cache.view(ctx.kv_len)
         o = attention(q, k_all, v_all, ctx.positions, self.scale)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return linear(o.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight, residual=residual)
 
     def make_cache(self, max_len: int, dtype: torch.dtype, device) -> KVCache:
         return KVCache(max_len, self.num_kv_heads, self.head_dim, dtype, device)

@@ -14,19 +14,21 @@ from torch import nn
 from baton.cache.state import KDAState
 from baton.config import LingConfig
 from baton.layers.context import ForwardContext
-from baton.layers.linear import Linear
-from baton.layers.norm import GatedRMSNorm
+from baton.layers.linear import FusedLinear, Linear
+from baton.layers.norm import GatedRMSNorm, RMSNorm
 from baton.ops.kda import kda_chunk, kda_gate, kda_recurrent
+from baton.ops.linear import linear
 from baton.ops.short_conv import short_conv
 from baton.types import ForwardMode
 
 
-class ShortConvWeight(nn.Module):
-    """Holds a depthwise conv weight ``[D, 1, W]`` under the checkpoint's ``*_conv1d.weight`` name."""
+class FusedShortConv(nn.Module):
+    """The q, k and v depthwise conv weights stacked: ``weight [3P, 1, W]`` (checkpoint: ``{q,k,v}_conv1d``)."""
 
     def __init__(self, dim: int, width: int, device=None, dtype=None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim, 1, width, device=device, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(3 * dim, 1, width, device=device, dtype=dtype))
+        self.hf_row_splits = {"weight": [(f"{n}_conv1d.weight", dim) for n in ("q", "k", "v")]}
 
 
 class KimiDeltaAttention(nn.Module):
@@ -40,37 +42,32 @@ class KimiDeltaAttention(nn.Module):
         self.lower_bound = cfg.kda_lower_bound if cfg.kda_safe_gate else None
         self.use_lora = not cfg.no_kda_lora
         kw = dict(device=device, dtype=dtype)
-        self.q_proj, self.k_proj, self.v_proj = (Linear(d, p, **kw) for _ in range(3))
-        self.q_conv1d, self.k_conv1d, self.v_conv1d = (ShortConvWeight(p, self.conv_width, **kw) for _ in range(3))
+        gates = [("f_a_proj", k), ("g_a_proj", k)] if self.use_lora else [("f_proj", p), ("g_proj", p)]
+        # Everything that reads the normed input, in one projection.
+        self.in_proj = FusedLinear(d, [("q_proj", p), ("k_proj", p), ("v_proj", p), *gates, ("b_proj", h)], **kw)
         if self.use_lora:
-            self.f_a_proj, self.f_b_proj = Linear(d, k, **kw), Linear(k, p, **kw)
-            self.g_a_proj, self.g_b_proj = Linear(d, k, **kw), Linear(k, p, **kw)
-        else:
-            self.f_proj, self.g_proj = Linear(d, p, **kw), Linear(d, p, **kw)
-        self.b_proj = Linear(d, h, **kw)
+            self.f_b_proj, self.g_b_proj = Linear(k, p, **kw), Linear(k, p, **kw)
+        gate_width = k if self.use_lora else p
+        self._split = [3 * p, gate_width, gate_width, h]  # in_proj output: q|k|v, f, g, b
+        self.conv1d = FusedShortConv(p, self.conv_width, **kw)
         self.A_log = nn.Parameter(torch.empty(h, device=device, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.empty(p, device=device, dtype=torch.float32))
         self.o_norm = GatedRMSNorm(k, cfg.rms_norm_eps, **kw)
         self.o_proj = Linear(p, d, **kw)
 
-    def _gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.use_lora:
-            return self.f_b_proj(self.f_a_proj(x)), self.g_b_proj(self.g_a_proj(x))
-        return self.f_proj(x), self.g_proj(x)
-
-    def conv_weight(self) -> torch.Tensor:
-        ws = [m.weight[:, 0, :] for m in (self.q_conv1d, self.k_conv1d, self.v_conv1d)]
-        return torch.cat(ws, dim=0)  # [3P, W]
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``[residual +] o_proj(gated_norm(kda(norm(x))))``."""
         t, h, k, p = x.shape[0], self.num_heads, self.head_dim, self.proj_dim
         state: KDAState = ctx.cache[self.layer_id]
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, 3P]
-        qkv, windows = short_conv(qkv, self.conv_weight(), state.conv)
+        y = linear(x, self.in_proj.weight, None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
+        qkv, f, gate, b = y.split(self._split, dim=-1)
+        if self.use_lora:
+            f, gate = linear(f, self.f_b_proj.weight), linear(gate, self.g_b_proj.weight)
+        qkv, windows = short_conv(qkv, self.conv1d.weight[:, 0, :], state.conv)
         q, kk, v = (z.view(t, h, k) for z in qkv.split(p, dim=-1))
-        f, gate = self._gates(x)
-        g = kda_gate(f.view(t, h, k), self.A_log, self.dt_bias, self.lower_bound)  # [T, H, K] fp32
-        beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
+        g = kda_gate(f.reshape(t, h, k), self.A_log, self.dt_bias, self.lower_bound)  # [T, H, K] fp32
+        beta = torch.sigmoid(b.float())  # [T, H]
         if ctx.mode is ForwardMode.PREFILL:
             o, final = kda_chunk(q, kk, v, g, beta, state.recurrent)
         elif ctx.stages_state:
@@ -81,8 +78,8 @@ class KimiDeltaAttention(nn.Module):
         if not ctx.stages_state:
             state.recurrent.copy_(final)
             state.conv.copy_(windows[-1])
-        o = self.o_norm(o, gate.view(t, h, k))
-        return self.o_proj(o.reshape(t, p))
+        o = self.o_norm(o, gate.reshape(t, h, k))
+        return linear(o.reshape(t, p), self.o_proj.weight, residual=residual)
 
     def make_cache(self, max_len: int, dtype: torch.dtype, device, max_stage: int = 8) -> KDAState:
         return KDAState(self.num_heads, self.head_dim, self.head_dim, 3 * self.proj_dim, self.conv_width,

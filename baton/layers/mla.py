@@ -13,10 +13,11 @@ from torch import nn
 from baton.cache.kv import MLACache
 from baton.config import LingConfig
 from baton.layers.context import ForwardContext
-from baton.layers.linear import Linear
+from baton.layers.linear import FusedLinear, Linear
 from baton.layers.norm import RMSNorm
 from baton.layers.rope import RotaryEmbedding
 from baton.ops.attention import attention
+from baton.ops.linear import linear
 from baton.ops.mla_decode import mla_decode
 from baton.types import ForwardMode
 
@@ -33,35 +34,32 @@ class MLAttention(nn.Module):
         self.scale = self.qk_dim**-0.5
         self.q_lora_rank = cfg.q_lora_rank
         kw = dict(device=device, dtype=dtype)
-        if cfg.q_lora_rank is None:
-            self.q_proj = Linear(d, h * self.qk_dim, **kw)
-        else:
-            self.q_a_proj = Linear(d, cfg.q_lora_rank, **kw)
+        q_part = ("q_proj", h * self.qk_dim) if cfg.q_lora_rank is None else ("q_a_proj", cfg.q_lora_rank)
+        # Everything that reads the normed input, in one projection: q (or q_a), kv_a, the head-wise gate.
+        self.in_proj = FusedLinear(d, [q_part, ("kv_a_proj_with_mqa", self.kv_lora_rank + self.rope_dim),
+                                       ("g_proj", h)], **kw)
+        if cfg.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, **kw)
             self.q_b_proj = Linear(cfg.q_lora_rank, h * self.qk_dim, **kw)
-        self.kv_a_proj_with_mqa = Linear(d, self.kv_lora_rank + self.rope_dim, **kw)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps, **kw)
         self.kv_b_proj = Linear(self.kv_lora_rank, h * (self.nope_dim + self.v_dim), **kw)
-        self.g_proj = Linear(d, h, **kw)
         self.dense = Linear(h * self.v_dim, d, **kw)
         self.rope = rope
-
-    def _q(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(x.shape[0], self.num_heads, self.qk_dim)
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]  # [H, nope, C], [H, v, C]
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext, norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``[residual +] dense(gate * attention(norm(x)))``."""
         t = x.shape[0]
-        q = self._q(x)
+        y = linear(x, self.in_proj.weight, None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
+        q, kv, gate_logits = self.in_proj.split(y)
+        if self.q_lora_rank is not None:
+            q = linear(q, self.q_b_proj.weight, self.q_a_layernorm.weight, self.q_a_layernorm.eps)
+        q = q.reshape(t, self.num_heads, self.qk_dim)
         q_nope, q_rope = q[..., : self.nope_dim], self.rope(ctx.positions, q[..., self.nope_dim :])
-        kv = self.kv_a_proj_with_mqa(x)
         c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
         k_rope = self.rope(ctx.positions, kv[:, self.kv_lora_rank :])
         cache: MLACache = ctx.cache[self.layer_id]
@@ -71,9 +69,9 @@ class MLAttention(nn.Module):
             o = self._attend_expanded(q_nope, q_rope, latent, ctx.positions)
         else:
             o = self._attend_absorbed(q_nope, q_rope, latent, ctx.positions)
-        gate = torch.sigmoid(self.g_proj(x).float())[:, :, None]  # [T, H, 1]
+        gate = torch.sigmoid(gate_logits.float())[:, :, None]  # [T, H, 1]
         o = (o.float() * gate).to(x.dtype)
-        return self.dense(o.reshape(t, self.num_heads * self.v_dim))
+        return linear(o.reshape(t, self.num_heads * self.v_dim), self.dense.weight, residual=residual)
 
     def _attend_expanded(self, q_nope, q_rope, latent, positions) -> torch.Tensor:
         s = latent.shape[0]

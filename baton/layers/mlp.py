@@ -3,32 +3,31 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from baton.layers.linear import Linear
+from baton.layers.linear import FusedLinear, Linear
+from baton.layers.norm import RMSNorm
+from baton.ops.linear import linear, linear_swiglu, swiglu
 
-
-def swiglu(gate_up: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
-    """``silu(gate) * up`` over the last dim split in halves; with ``limit > 0`` the Ling clamp
-    ``min(silu(gate), L) * clamp(up, -L, L)`` (applied after SiLU)."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    act = F.silu(gate)
-    if limit > 0:
-        act = act.clamp(max=limit)
-        up = up.clamp(-limit, limit)
-    return act * up
+__all__ = ["MLP", "swiglu"]
 
 
 class MLP(nn.Module):
-    """``down(swiglu(gate_up(x)))``; the checkpoint's gate_proj and up_proj are fused into ``gate_up_proj``."""
+    """``down(swiglu(gate_up(x)))``; the checkpoint's gate_proj and up_proj are fused into ``gate_up_proj``.
+
+    With ``norm`` the input is RMS-normalised first; with ``residual`` the output is added to it (the fast
+    path folds both into the projections)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float = 0.0,
                  device=None, dtype=None) -> None:
         super().__init__()
         self.swiglu_limit = swiglu_limit
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, device=device, dtype=dtype)
+        self.gate_up_proj = FusedLinear(hidden_size, [("gate_proj", intermediate_size), ("up_proj", intermediate_size)],
+                                        device=device, dtype=dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_up_proj(x), self.swiglu_limit))
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        act = linear_swiglu(x, self.gate_up_proj.weight, None if norm is None else norm.weight,
+                            1e-6 if norm is None else norm.eps, self.swiglu_limit)
+        return linear(act, self.down_proj.weight, residual=residual)

@@ -9,6 +9,7 @@ from torch import nn
 
 from baton.config import LingConfig
 from baton.layers.mlp import MLP
+from baton.layers.norm import RMSNorm
 from baton.ops.moe import fused_experts, grouped_topk
 
 
@@ -55,9 +56,14 @@ class SparseMoE(nn.Module):
         return grouped_topk(torch.sigmoid(logits), self.gate.expert_bias, self.top_k, self.n_group,
                             self.topk_group, self.renormalize, self.scaling)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_ids, topk_weights = self.route(x)
-        y = fused_experts(x, self.experts.w13, self.experts.w2, topk_ids, topk_weights, self.expert_limit)
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``[residual +] routed(norm(x)) + shared(norm(x))``, the combine accumulated in fp32."""
+        h = x if norm is None else norm(x)
+        topk_ids, topk_weights = self.route(h)
+        y = fused_experts(h, self.experts.w13, self.experts.w2, topk_ids, topk_weights, self.expert_limit)
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x).float()
+            y = y + self.shared_experts(h).float()
+        if residual is not None:
+            y = y + residual.float()
         return y.to(x.dtype)

@@ -1,15 +1,11 @@
-"""RMSNorm (Llama / Ling style: normalise in fp32, cast back, then scale) and the gated RMSNorm of KDA."""
+"""RMSNorm modules holding the checkpoint's ``weight``; the math lives in baton.ops.rmsnorm."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
+from baton.ops.rmsnorm import gated_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -31,7 +27,4 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = y * self.weight.float() * torch.sigmoid(gate.float())
-        return y.to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)

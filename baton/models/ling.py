@@ -39,8 +39,8 @@ class LingDecoderLayer(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.shared_swiglu_limit(layer_id), **kw)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = x + self.attention(self.input_layernorm(x), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.attention(x, ctx, norm=self.input_layernorm, residual=x)
+        return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
     def make_cache(self, max_len: int, dtype: torch.dtype, device, max_stage: int = 8):
         if self.is_mla:

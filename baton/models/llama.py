@@ -27,8 +27,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, **kw)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attn(x, ctx, norm=self.input_layernorm, residual=x)
+        return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
     def make_cache(self, max_len: int, dtype: torch.dtype, device, max_stage: int = 8):
         return self.self_attn.make_cache(max_len, dtype, device)

@@ -60,20 +60,29 @@ def _rename(name: str, prefix_map: list[tuple[str, str]]) -> str:
 def hf_layout(model: nn.Module, prefix_map: list[tuple[str, str]] | None = None) -> dict[str, Slot]:
     """Checkpoint name -> Slot, for every parameter of ``model``.
 
-    ``prefix_map`` renames module prefixes (e.g. ``mtp.body.`` -> ``model.layers.42.``); by default the
-    model's own ``checkpoint_prefix_map()`` is used when it has one.
+    Modules with ``hf_row_splits`` ({param attr: [(checkpoint name relative to the parent module, rows)]})
+    stack several checkpoint tensors by rows; stacked experts (``experts.w13`` / ``experts.w2``) expand to
+    one tensor per expert. ``prefix_map`` renames module prefixes (e.g. ``mtp.body.`` -> ``model.layers.42.``);
+    by default the model's own ``checkpoint_prefix_map()`` is used when it has one.
     """
     if prefix_map is None:
         prefix_map = model.checkpoint_prefix_map() if hasattr(model, "checkpoint_prefix_map") else []
     layout: dict[str, Slot] = {}
+    split_params: set[str] = set()
+    for mod_name, module in model.named_modules():
+        for attr, parts in getattr(module, "hf_row_splits", {}).items():
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            parent = mod_name.rsplit(".", 1)[0] + "." if "." in mod_name else ""
+            start = 0
+            for part, rows in parts:
+                layout[_rename(parent + part, prefix_map)] = Slot(name, rows=(start, start + rows))
+                start += rows
+            split_params.add(name)
     for name, p in model.named_parameters():
+        if name in split_params:
+            continue
         hf = _rename(name, prefix_map)
-        if name.endswith("gate_up_proj.weight"):
-            inter = p.shape[0] // 2
-            base = hf[: -len("gate_up_proj.weight")]
-            layout[base + "gate_proj.weight"] = Slot(name, rows=(0, inter))
-            layout[base + "up_proj.weight"] = Slot(name, rows=(inter, 2 * inter))
-        elif name.endswith("experts.w13"):
+        if name.endswith("experts.w13"):
             inter = p.shape[1] // 2
             base = hf[: -len("w13")]
             for e in range(p.shape[0]):

@@ -123,7 +123,7 @@ def test_flash_shape_on_meta():
     assert mtp == 3_072_194_048  # 3.07 B MTP
     layer = model.model.layers[2]
     assert tuple(layer.mlp.experts.w13.shape) == (512, 1536, 2560)
-    assert tuple(layer.attention.q_proj.weight.shape) == (4096, 2560)
+    assert tuple(layer.attention.in_proj.weight.shape) == (5 * 4096 + 32, 2560)  # q|k|v|f|g|b fused
     assert tuple(model.model.layers[5].attention.kv_b_proj.weight.shape) == (8192, 512)
 
 

@@ -1,0 +1,434 @@
+"""DSpark and DFlash block drafters (batch 1, plain PyTorch): the draft backbone with KV injection, the
+Markov head, the confidence head with STS, and the batch-1 prefix rule over a step-time (SPS) table.
+
+Slot convention: DeepSpec / DSpark ("sample_from_anchor", dspark-dflash.md §0, convention 2). The block
+input is ``[anchor, MASK x (gamma-1)]`` at positions ``anchor_pos .. anchor_pos+gamma-1``; slot k (0-based)
+predicts the token at ``anchor_pos+k+1``, so gamma query slots give gamma drafts and the verify window is
+gamma+1 (``spec.num_draft_tokens``). DFlash here is the same backbone without the Markov and confidence
+heads (DeepSpec's own DFlash baseline); z-lab "b16" checkpoints (convention 1) are not interchangeable.
+
+Backbone (§1): the tapped target features (outputs of decoder layers ``target_layer_ids``) are fused by
+``fc`` + ``hidden_norm`` into H_ctx. In every draft layer the keys/values are [k/v_proj(H_ctx) of the
+context ; k/v_proj of the block]; the context part is computed once per committed token and kept in a
+per-layer KVCache at absolute positions, so context tokens never run through the layers. Block queries see
+every context position strictly before ``anchor_pos`` and all block slots (bidirectional); block K/V are not
+persisted. Embeddings and logits come from the target (``target.embed``, ``target.compute_logits``).
+
+SPS table (``--speculative-dspark-sps-table-path``), JSON::
+
+    {"verify_tokens": [1, 2, 3, 4, 5], "step_time_ms": [9.8, 9.9, 10.0, 10.4, 12.5]}
+
+``verify_tokens`` strictly increasing, ``step_time_ms`` > 0 (the target verify step at that many tokens);
+SPS(n) = 1000 / step_time_ms at the largest listed count <= n (the smallest entry below the first).
+
+STS file (``--speculative-dspark-confidence-sts-path``), JSON: ``{"temperatures": [T_1, ..., T_gamma]}``
+(other keys, e.g. ECE figures, are ignored); its length must equal gamma.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from baton.cache.kv import KVCache
+from baton.config import ConfigError, SpecConfig
+from baton.layers.linear import Linear
+from baton.layers.mlp import MLP
+from baton.layers.norm import RMSNorm
+from baton.layers.rope import RotaryEmbedding
+from baton.models.base import CausalLM
+from baton.ops.attention import attention
+from baton.spec.base import Draft, Drafter, pick_tokens
+from baton.spec.drafts import check_vocab
+from baton.spec.dspark_ckpt import (
+    DSparkDraftConfig,
+    build_target_layer_ids,
+    load_dspark_weights,
+    markov_rank_from_tensors,
+    read_dspark_config,
+)
+from baton.types import SamplingParams
+
+if TYPE_CHECKING:
+    from baton.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+BLOCK_ALGORITHMS = ("DSPARK", "DFLASH")
+
+
+# ---- the draft model ----
+
+
+class DraftAttention(nn.Module):
+    """GQA over [injected context K/V ; block K/V], optional per-head q/k RMSNorm, rotate-half RoPE."""
+
+    def __init__(self, cfg: DSparkDraftConfig, rope: RotaryEmbedding, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.scale = d**-0.5
+        self.q_proj = Linear(h, self.num_heads * d, **kw)
+        self.k_proj = Linear(h, self.num_kv_heads * d, **kw)
+        self.v_proj = Linear(h, self.num_kv_heads * d, **kw)
+        self.o_proj = Linear(self.num_heads * d, h, **kw)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, **kw) if cfg.qk_norm else None
+        self.rope = rope
+
+    def project_kv(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> k, v [T, Hkv, D] (k normed and rotated at ``positions``)."""
+        t = x.shape[0]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return self.rope(positions, k), v
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, ctx_len: int) -> torch.Tensor:
+        """Block x [B, H] at ``positions``; context = cache rows 0 .. ctx_len-1 (= anchor_pos - 1)."""
+        b = x.shape[0]
+        q = self.q_proj(x).view(b, self.num_heads, self.head_dim)  # [B, Hq, D]
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = self.rope(positions, q)
+        k_blk, v_blk = self.project_kv(x, positions)
+        k_ctx, v_ctx = cache.view(ctx_len)
+        k = torch.cat([k_ctx, k_blk])  # [ctx_len + B, Hkv, D]
+        v = torch.cat([v_ctx, v_blk])
+        mask = torch.ones(b, ctx_len + b, dtype=torch.bool, device=x.device)  # context < anchor_pos; block: all
+        o = attention(q, k, v, positions, self.scale, mask)
+        return self.o_proj(o.reshape(b, self.num_heads * self.head_dim))
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm decoder layer: input_layernorm -> attention -> +res; post_attention_layernorm -> SwiGLU -> +res."""
+
+    def __init__(self, cfg: DSparkDraftConfig, rope: RotaryEmbedding, device=None, dtype=None) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.self_attn = DraftAttention(cfg, rope, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, **kw)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, ctx_len: int) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x), positions, cache, ctx_len)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class MarkovHead(nn.Module):
+    """The prefix-dependent bias B(prev, .) = W2(W1[prev]) (§4.2, "vanilla" Markov head)."""
+
+    def __init__(self, vocab_size: int, rank: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.w1 = nn.Embedding(vocab_size, rank, device=device, dtype=dtype)
+        self.w2 = Linear(rank, vocab_size, device=device, dtype=dtype)
+
+    def bias(self, prev_emb: torch.Tensor) -> torch.Tensor:
+        """W1[prev] [N, r] -> fp32 logit bias [N, V]."""
+        return self.w2(prev_emb).float()
+
+
+class DSparkDraftModel(nn.Module):
+    """fc + hidden_norm fusion, the draft layers, the final norm; with_heads adds the Markov and confidence
+    heads (the confidence head is fp32 whatever the model dtype)."""
+
+    def __init__(self, cfg: DSparkDraftConfig, with_heads: bool, device=None, dtype=None) -> None:
+        super().__init__()
+        if cfg.target_layer_ids is None:
+            raise ValueError("DSparkDraftModel needs cfg.target_layer_ids resolved")
+        if with_heads and not cfg.has_heads:
+            raise ValueError("DSparkDraftModel(with_heads=True) needs cfg.markov_rank > 0")
+        kw = dict(device=device, dtype=dtype)
+        h = cfg.hidden_size
+        self.config = cfg
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, False, cfg.rope_scaling, device=device)
+        self.fc = Linear(len(cfg.target_layer_ids) * h, h, **kw)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, **kw)
+        self.layers = nn.ModuleList(DraftLayer(cfg, self.rope, **kw) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, **kw)
+        self.markov_head = self.confidence_head = None
+        if with_heads:
+            self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank, **kw)
+            self.confidence_head = nn.Linear(h + cfg.markov_rank, 1, device=device, dtype=torch.float32)
+
+    def make_caches(self, max_len: int, dtype: torch.dtype, device) -> list[KVCache]:
+        cfg = self.config
+        return [KVCache(max_len, cfg.num_key_value_heads, cfg.head_dim, dtype, device) for _ in self.layers]
+
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor, caches: list[KVCache]) -> None:
+        """Tapped target features [T, n*H] of committed tokens -> H_ctx -> K/V at ``positions`` in every layer."""
+        h_ctx = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))  # [T, H]
+        for layer, cache in zip(self.layers, caches, strict=True):
+            k, v = layer.self_attn.project_kv(h_ctx, positions)
+            cache.write(positions, k, v)
+
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
+                ctx_len: int) -> torch.Tensor:
+        """block_embeds [B, H] -> final-normed slot hidden states h [B, H]."""
+        x = block_embeds.to(self.fc.weight.dtype)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = layer(x, positions, cache, ctx_len)
+        return self.norm(x)
+
+    def confidence_logits(self, h: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor:
+        """Raw confidence logits w . [h_k ; W1[prev_k]] + b, fp32 [B]."""
+        return self.confidence_head(torch.cat([h.float(), prev_emb.float()], dim=-1))[:, 0]
+
+
+# ---- Markov chain, confidence, prefix rule ----
+
+
+@dataclass
+class MarkovProposal:
+    tokens: torch.Tensor  # [B] int64, left to right
+    probs: torch.Tensor | None  # [B, V] the distributions the tokens were drawn from; None for greedy
+    logits: torch.Tensor  # [B, V] fp32 corrected logits U_k + W2(W1[prev_k])
+    prev_emb: torch.Tensor  # [B, r] W1[prev_k]: prev = anchor for slot 0, then the token chosen at k-1
+
+
+def markov_propose(base_logits: torch.Tensor, anchor: torch.Tensor, head: MarkovHead, sampling: SamplingParams,
+                   generator: torch.Generator | None) -> MarkovProposal:
+    """Sequential over slots: logits_k = U_k + W2(W1[prev]), token_k = argmax or a sample (``pick_tokens``)."""
+    prev = anchor.reshape(1)
+    tokens, probs, logits, embs = [], [], [], []
+    for k in range(base_logits.shape[0]):
+        emb = head.w1(prev)  # [1, r]
+        logits_k = base_logits[k : k + 1].float() + head.bias(emb)  # [1, V]
+        tok, p = pick_tokens(logits_k, sampling, generator)
+        tokens.append(tok)
+        probs.append(p)
+        logits.append(logits_k)
+        embs.append(emb)
+        prev = tok
+    q = None if probs[0] is None else torch.cat(probs)
+    return MarkovProposal(torch.cat(tokens), q, torch.cat(logits), torch.cat(embs))
+
+
+def survival(conf_logits: torch.Tensor, temperatures: torch.Tensor | None) -> torch.Tensor:
+    """c_k = sigmoid(z_k / T_k) (STS; T = 1 without a file), a_k = prod_{i<=k} c_i. [B] -> [B] fp32."""
+    z = conf_logits.float()
+    if temperatures is not None:
+        z = z / temperatures.to(z.device)
+    return torch.sigmoid(z).cumprod(0)
+
+
+@dataclass
+class SpsTable:
+    """Profiled target verify step time by token count; SPS(n) = 1000 / step_time_ms (floor lookup)."""
+
+    verify_tokens: list[int]
+    step_time_ms: list[float]
+
+    def __post_init__(self) -> None:
+        n, t = self.verify_tokens, self.step_time_ms
+        if not n or len(n) != len(t):
+            raise ConfigError("SPS table: verify_tokens and step_time_ms must be non-empty and of equal length")
+        if any(b <= a for a, b in zip(n, n[1:], strict=False)) or n[0] < 1:
+            raise ConfigError(f"SPS table: verify_tokens must be strictly increasing and >= 1, got {n}")
+        if any(x <= 0 for x in t):
+            raise ConfigError(f"SPS table: step_time_ms must be > 0, got {t}")
+
+    @classmethod
+    def load(cls, path: str) -> SpsTable:
+        data = _read_json(path, "--speculative-dspark-sps-table-path")
+        try:
+            return cls([int(x) for x in data["verify_tokens"]], [float(x) for x in data["step_time_ms"]])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"{path}: an SPS table is {{\"verify_tokens\": [...], \"step_time_ms\": [...]}} "
+                              f"({e})") from e
+
+    def sps(self, num_tokens: int) -> float:
+        i = max(bisect.bisect_right(self.verify_tokens, num_tokens) - 1, 0)
+        return 1000.0 / self.step_time_ms[i]
+
+
+def load_sts_temperatures(path: str, gamma: int) -> torch.Tensor:
+    data = _read_json(path, "--speculative-dspark-confidence-sts-path")
+    temps = data.get("temperatures") if isinstance(data, dict) else None
+    if not isinstance(temps, list) or len(temps) != gamma:
+        n = len(temps) if isinstance(temps, list) else None
+        raise ConfigError(f"{path}: STS needs \"temperatures\" with gamma = {gamma} entries, found {n}")
+    if any(float(t) <= 0 for t in temps):
+        raise ConfigError(f"{path}: STS temperatures must be > 0")
+    return torch.tensor([float(t) for t in temps], dtype=torch.float32)  # [gamma]
+
+
+def prefix_len(survivals: Sequence[float], table: SpsTable | None) -> int:
+    """How many drafts to verify at batch 1 (§4.4, Algorithm 1 with R = 1): admit draft j (1-based) while
+    ``(1 + sum_{i<=j} a_i) * SPS(1+j) > (1 + sum_{i<j} a_i) * SPS(j)``; stop at the first j that fails.
+
+    The early stop is what keeps it lossless: a_{j+1} depends on the realised token x_j (through W1[x_j]),
+    so looking past a failing j would let x_j decide whether x_j itself is verified (selection bias, paper
+    App. A). Stopping at the first failure makes each admission depend only on a_1..a_j, i.e. on x_<j.
+    Without a table every draft is verified."""
+    if table is None:
+        return len(survivals)
+    tau = 1.0  # 1 + sum_{i<j} a_i: expected committed tokens with j-1 drafts
+    for j, a in enumerate(survivals, start=1):
+        if (tau + a) * table.sps(1 + j) <= tau * table.sps(j):
+            return j - 1
+        tau += a
+    return len(survivals)
+
+
+def _read_json(path: str, flag: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot read ({e})") from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{flag} {path}: not valid JSON ({e})") from e
+
+
+# ---- the drafter ----
+
+
+class DSparkDrafter(Drafter):
+    """One block forward per round; DSpark adds the Markov chain and (with an SPS table) the prefix rule."""
+
+    def __init__(self, target: CausalLM, model: DSparkDraftModel, gamma: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device, use_heads: bool, sps_table: SpsTable | None = None,
+                 sts_temperatures: torch.Tensor | None = None) -> None:
+        cfg = model.config
+        self.target, self.model, self.gamma = target, model, gamma
+        self.num_draft_tokens = gamma + 1
+        self.use_heads = use_heads
+        self.sps_table, self.sts_temperatures = sps_table, sts_temperatures
+        self.mask_token_id = cfg.mask_token_id
+        # The engine captures in layer order; fc expects the checkpoint's order (which may differ).
+        self.capture_layer_ids = tuple(sorted(set(cfg.target_layer_ids)))
+        self._feature_order = [self.capture_layer_ids.index(i) for i in cfg.target_layer_ids]
+        self.caches = model.make_caches(max_len, dtype, device)
+        self.device = device
+        self.ctx_len = 0  # draft KV holds context for positions 0 .. ctx_len-1
+        self.last_survival: torch.Tensor | None = None  # [gamma] a_k of the last round (DSpark with a table)
+
+    def reset(self) -> None:
+        self.ctx_len = 0
+        self.last_survival = None
+
+    def _append_context(self, captured: list[torch.Tensor], start: int, num: int) -> None:
+        features = torch.cat([captured[i][:num] for i in self._feature_order], dim=-1)  # [num, n*H]
+        positions = torch.arange(start, start + num, device=self.device)
+        self.model.write_context(features, positions, self.caches)
+        self.ctx_len = start + num
+
+    def begin(self, prompt_ids, target_hidden, captured, first_token, sampling, generator) -> None:
+        """Prompt positions 0..N-1 go into the draft KV; the first token is the anchor at N."""
+        self._append_context(captured, 0, prompt_ids.shape[0])
+
+    def extend(self, accepted_tokens, target_hidden, captured, num_accepted, anchor_pos, sampling,
+               generator) -> None:
+        """Verify rows 0..num_accepted (anchor and accepted drafts) are committed at anchor_pos onwards."""
+        self._append_context(captured, anchor_pos, num_accepted + 1)
+
+    def block_hidden(self, anchor: torch.Tensor, anchor_pos: int) -> torch.Tensor:
+        """The backbone over [anchor, MASK x (gamma-1)] -> slot hidden states h [gamma, H]."""
+        if anchor_pos != self.ctx_len:
+            raise RuntimeError(f"draft KV covers {self.ctx_len} positions but the anchor is at {anchor_pos}")
+        ids = torch.full((self.gamma,), self.mask_token_id, dtype=torch.long, device=self.device)  # [gamma]
+        ids[0] = anchor.reshape(())
+        positions = torch.arange(anchor_pos, anchor_pos + self.gamma, device=self.device)
+        return self.model(self.target.embed(ids), positions, self.caches, anchor_pos)
+
+    def draft(self, anchor, anchor_pos, sampling, generator) -> Draft:
+        h = self.block_hidden(anchor, anchor_pos)
+        base_logits = self.target.compute_logits(h)  # [gamma, V] fp32: U_k
+        if not self.use_heads:  # DFlash: slots are independent given the context; verify the whole block
+            tokens, probs = pick_tokens(base_logits, sampling, generator)
+            return Draft(tokens, probs)
+        prop = markov_propose(base_logits, anchor, self.model.markov_head, sampling, generator)
+        num = self.gamma
+        if self.sps_table is not None:
+            self.last_survival = survival(self.model.confidence_logits(h, prop.prev_emb), self.sts_temperatures)
+            num = prefix_len(self.last_survival.tolist(), self.sps_table)
+        return Draft(prop.tokens[:num], None if prop.probs is None else prop.probs[:num])
+
+
+# ---- building from a SpecConfig ----
+
+
+def resolve_dspark_spec(spec: SpecConfig) -> SpecConfig:
+    """Fill ``spec.num_draft_tokens`` (= gamma + 1) from the draft checkpoint's block size when unset. The
+    engine sizes its verify staging from it, so it must run before the engine reads the value."""
+    if spec.algorithm in BLOCK_ALGORITHMS and spec.num_draft_tokens is None:
+        spec.num_draft_tokens = read_dspark_config(spec.draft_model_path).block_size + 1
+    return spec
+
+
+def _check_target_fit(cfg: DSparkDraftConfig, target: CausalLM, path: str) -> None:
+    tcfg = target.config
+    check_vocab(path, cfg.vocab_size, target)
+    if cfg.hidden_size != tcfg.hidden_size:
+        raise ConfigError(f"{path}: draft hidden_size {cfg.hidden_size} != target {tcfg.hidden_size}")
+    if not 0 <= cfg.mask_token_id < tcfg.vocab_size:
+        raise ConfigError(f"{path}: mask token id {cfg.mask_token_id} is outside the target vocabulary")
+    num_layers = tcfg.num_hidden_layers
+    for i in cfg.target_layer_ids:
+        if not 0 <= i < num_layers - 1:
+            raise ConfigError(f"{path}: target layer id {i} must lie in [0, {num_layers - 2}] (the target has "
+                              f"{num_layers} layers and its last layer is never tapped)")
+
+
+def _resolve_heads(cfg: DSparkDraftConfig, algorithm: str, path: str) -> bool:
+    """DSPARK needs the Markov and confidence heads; DFLASH ignores any the checkpoint has."""
+    if algorithm != "DSPARK":
+        return False
+    if not cfg.has_heads:
+        cfg.markov_rank = markov_rank_from_tensors(path)
+    if not cfg.has_heads:
+        raise ConfigError(f"{path}: --speculative-algorithm DSPARK needs a draft with the Markov and confidence "
+                          "heads (dspark_markov_rank > 0, markov_head.* and confidence_head.* tensors); this "
+                          "checkpoint has none: serve it with --speculative-algorithm DFLASH")
+    return True
+
+
+def _scheduling(spec: SpecConfig, gamma: int, use_heads: bool) -> tuple[SpsTable | None, torch.Tensor | None]:
+    if not use_heads:
+        if spec.dspark_sps_table_path or spec.dspark_confidence_sts_path:
+            log.warning("DFLASH has no confidence head: the SPS table and STS file are ignored (verify all)")
+        return None, None
+    sps = SpsTable.load(spec.dspark_sps_table_path) if spec.dspark_sps_table_path else None
+    sts = load_sts_temperatures(spec.dspark_confidence_sts_path, gamma) if spec.dspark_confidence_sts_path else None
+    return sps, sts
+
+
+def build_dspark_drafter(engine: Engine, spec: SpecConfig, max_len: int) -> DSparkDrafter:
+    from baton.models.load import materialize
+
+    path = spec.draft_model_path
+    cfg = read_dspark_config(path)
+    target = engine.model
+    if cfg.target_layer_ids is None:
+        cfg.target_layer_ids = build_target_layer_ids(target.config.num_hidden_layers, cfg.num_hidden_layers)
+    _check_target_fit(cfg, target, path)
+    use_heads = _resolve_heads(cfg, spec.algorithm, path)
+    resolve_dspark_spec(spec)
+    gamma = spec.num_draft_tokens - 1
+    if gamma < 1:
+        raise ConfigError(f"--speculative-num-draft-tokens {spec.num_draft_tokens}: DSPARK/DFLASH needs >= 2 "
+                          "(gamma + 1: the anchor plus gamma drafts)")
+    if gamma != cfg.block_size:
+        log.warning("--speculative-num-draft-tokens %d gives gamma %d, but the draft was trained with block size %d",
+                    spec.num_draft_tokens, gamma, cfg.block_size)
+    sps, sts = _scheduling(spec, gamma, use_heads)
+    model = DSparkDraftModel(cfg, with_heads=use_heads, device="meta", dtype=engine.dtype)
+    materialize(model, engine.device)
+    load_dspark_weights(model, path, ignore_heads=not use_heads)
+    model.eval()
+    return DSparkDrafter(target, model, gamma, max_len, engine.dtype, engine.device, use_heads, sps, sts)
+
+
+__all__ = ["DSparkDraftModel", "DSparkDrafter", "MarkovHead", "SpsTable", "build_dspark_drafter",
+           "load_sts_temperatures", "markov_propose", "prefix_len", "resolve_dspark_spec", "survival"]
