@@ -113,7 +113,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from baton.server.app import run_server
 
     args = server_args_from(ns)
-    run_server(args, lambda: Engine(args))
+    run_server(args, Engine)
     return 0
 
 
