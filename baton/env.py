@@ -45,3 +45,9 @@ def openai_api_key() -> str | None:
 def api_key() -> str | None:
     """``API_KEY``: the bench client's fallback, sent as a raw ``Authorization`` header (SGLang's rule)."""
     return _get("API_KEY") or None
+
+
+def sync_debug() -> bool:
+    """``BATON_SYNC_DEBUG=1`` runs the CUDA-graph decode loop under ``torch.cuda.set_sync_debug_mode("error")``:
+    any blocking device-to-host read in the loop raises."""
+    return _get("BATON_SYNC_DEBUG", "0") not in ("0", "", "false", "False")

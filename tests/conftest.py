@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from baton.cli import main as baton_main
+
 TINY_LING = dict(
     model_type="bailing_hybrid", vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=6,
     num_attention_heads=4, head_dim=16, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=24,
@@ -26,3 +28,36 @@ TINY_LLAMA = dict(
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+# ---- tiny checkpoints on disk (session-wide), used by the spec, engine, server and tool tests ----
+
+@pytest.fixture(scope="session")
+def ckpt_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("spec_ckpts")
+
+
+@pytest.fixture(scope="session")
+def ling_path(ckpt_root) -> str:
+    return _write_checkpoint(ckpt_root, "ling", TINY_LING)
+
+
+@pytest.fixture(scope="session")
+def llama_path(ckpt_root) -> str:
+    return _write_checkpoint(ckpt_root, "llama", TINY_LLAMA)
+
+
+@pytest.fixture(scope="session")
+def llama_nextn_path(ckpt_root, llama_path) -> str:
+    out = str(ckpt_root / "llama_nextn")
+    assert baton_main(["convert", "random-draft", "--target", llama_path, "--algorithm", "NEXTN",
+                       "--output", out]) == 0
+    return out
+
+
+
+
+def _write_checkpoint(root, name: str, cfg: dict) -> str:
+    from tests.spec.conftest import write_checkpoint
+
+    return write_checkpoint(root, name, cfg)

@@ -7,6 +7,8 @@ The CUDA-graph path follows the same stages with the relay keeping every per-ste
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import math
 import time
@@ -14,6 +16,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from baton import env
 from baton.config import ConfigError, LingConfig, ServerArgs
 from baton.engine.output import OutputTracker
 from baton.engine.runner import ModelRunner
@@ -50,8 +53,9 @@ class Engine:
 
             resolve_dspark_spec(spec)  # num_draft_tokens = checkpoint block size + 1 when unset
         self.num_draft_tokens = spec.num_draft_tokens if spec.enabled else 1
-        cache = self.model.make_cache(self.context_length + self.num_draft_tokens + 1, self.dtype, self.device,
-                                      max_stage=self.num_draft_tokens)
+        # Margin: the graph loop reads one step late, so one extra step may run past the last token.
+        max_len = self.context_length + 2 * self.num_draft_tokens + 1
+        cache = self.model.make_cache(max_len, self.dtype, self.device, max_stage=self.num_draft_tokens)
         self.runner = ModelRunner(cache, self.device)
         self.drafter: Drafter | None = None
         if spec.enabled:
@@ -63,6 +67,11 @@ class Engine:
         self._sim_generator = torch.Generator().manual_seed(args.seed)
         self.last_sequence: list[int] = []  # prompt + generated tokens of the latest request (tests read it)
         self.last_pos = 0  # tokens whose states are committed in the caches
+        self.graphs = None
+        if self.device.type == "cuda" and not args.disable_cuda_graph:
+            from baton.engine.graphs import CudaGraphs
+
+            self.graphs = CudaGraphs(self)
 
     # ---- public API (baton/engine/README.contract.md) ----
 
@@ -103,7 +112,10 @@ class Engine:
     def generate(self, req: Request, should_abort: Callable[[], bool] | None = None) -> Iterator[StepOutput]:
         self.validate_request(req)
         with torch.inference_mode():
-            yield from self._generate(req, should_abort or (lambda: False))
+            if self.graphs is not None and req.sampling.is_greedy:
+                yield from self._generate_graph(req, should_abort or (lambda: False))
+            else:
+                yield from self._generate(req, should_abort or (lambda: False))
 
     # ---- the loop ----
 
@@ -114,16 +126,7 @@ class Engine:
             yield StepOutput([], "", True, {"type": "length", "length": 0})
             return
         gen = self._generator(sp)
-        self.runner.cache.reset()
-        prompt = torch.tensor(req.input_ids, dtype=torch.long, device=self.device)
-        num_prompt = prompt.shape[0]
-        capture = self.drafter.capture_layer_ids if self.drafter else ()
-        ctx = self.runner.context(ForwardMode.PREFILL, 0, num_prompt, capture)
-        hidden = self.model(prompt, ctx)
-        anchor = self._sample(self.model.compute_logits(hidden[-1:]), sp, gen)  # [1]
-        if self.drafter is not None:
-            self.drafter.reset()
-            self.drafter.begin(prompt, hidden, ctx.captured, anchor, sp, gen)
+        anchor, num_prompt = self._prefill(req, gen)
         num_verify = 0
         simulated = self.server_args.spec.simulate_accept_len is not None
         self.last_sequence = list(req.input_ids) + anchor.tolist()
@@ -152,6 +155,60 @@ class Engine:
             self.last_sequence += new_tokens
             yield self._emit(out, new_tokens, num_verify, simulated)
         self.last_pos = pos
+
+    def _prefill(self, req: Request, gen) -> tuple[torch.Tensor, int]:
+        """Eager prefill of the prompt (and the drafter's begin); returns the first token and its position."""
+        self.runner.cache.reset()
+        prompt = torch.tensor(req.input_ids, dtype=torch.long, device=self.device)
+        capture = self.drafter.capture_layer_ids if self.drafter else ()
+        ctx = self.runner.context(ForwardMode.PREFILL, 0, prompt.shape[0], capture)
+        hidden = self.model(prompt, ctx)
+        anchor = self._sample(self.model.compute_logits(hidden[-1:]), req.sampling, gen)  # [1]
+        if self.drafter is not None:
+            self.drafter.reset()
+            self.drafter.begin(prompt, hidden, ctx.captured, anchor, req.sampling, gen)
+        return anchor, prompt.shape[0]
+
+    def _generate_graph(self, req: Request, should_abort: Callable[[], bool]) -> Iterator[StepOutput]:
+        """Greedy decoding over CUDA graphs with host run-ahead: step k+1 is enqueued before step k's tokens
+        are read (from pinned memory, copied on a side stream), so the GPU never waits for the host."""
+        sp = req.sampling
+        out = OutputTracker(self.tokenizer, sp, self.eos_token_ids)
+        if sp.max_new_tokens == 0:
+            yield StepOutput([], "", True, {"type": "length", "length": 0})
+            return
+        anchor, pos = self._prefill(req, None)
+        self.graphs.start(anchor, pos)
+        first = anchor.tolist()
+        self.last_sequence = list(req.input_ids) + first
+        yield self._emit(out, first, 0, False)
+        num_verify, host_step = 0, 0
+        spec = self.drafter is not None
+        gc_enabled = gc.isenabled()
+        gc.disable()  # a collection pause in the loop eats the host's slack
+        sync_check = torch.cuda.set_sync_debug_mode if env.sync_debug() else None
+        try:
+            with _sync_debug(sync_check):
+                self.graphs.step(host_step)
+                while not out.finished:
+                    if should_abort():
+                        e = out.abort()
+                        yield StepOutput([], e.text, True, e.finish_reason, num_verify, False)
+                        return
+                    host_step += 1
+                    self.graphs.step(host_step)  # enqueue step k+1 ...
+                    tokens = self.graphs.relay.read(host_step - 1)  # ... then read step k
+                    if spec:
+                        num_verify += 1
+                        self.spec_stats.record(len(tokens) - 1)
+                    self.last_sequence += tokens
+                    yield self._emit(out, tokens, num_verify, False)
+        finally:
+            if gc_enabled:
+                gc.enable()
+            if self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # the step in flight is discarded
+            self.last_pos = int(self.graphs.relay.pos)
 
     def _spec_step(self, anchor: torch.Tensor, pos: int, sp: SamplingParams, gen) -> Verdict:
         """draft -> verify -> accept -> commit -> extend, for the anchor at ``pos``."""
@@ -216,6 +273,18 @@ class Engine:
         if limit > max_pos and not isinstance(cfg, LingConfig):
             log.warning("--context-length %d exceeds the model's max_position_embeddings %d", limit, max_pos)
         return limit
+
+
+@contextlib.contextmanager
+def _sync_debug(setter):
+    if setter is None:
+        yield
+        return
+    setter("error")
+    try:
+        yield
+    finally:
+        setter("default")
 
 
 def _config_eos(cfg) -> set[int]:

@@ -1,0 +1,123 @@
+"""CUDA graphs for the decode loop: plain decode, or the NEXTN draft (all chain forwards in one graph),
+verify and extend, captured once at start-up over static buffers (the Relay) and replayed per step.
+
+Every step-varying value is read from the relay on the device: positions are ``pos + arange``, attention
+covers the whole preallocated cache with a position mask, the accept count indexes the staged KDA state,
+the extend rows and the draft seed. The host therefore never needs a value a step produces to launch the
+next one. Greedy requests run here; sampled requests use the eager path (same stages, host-side RNG).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from baton.layers.context import ForwardContext
+from baton.spec.verify import greedy_verify
+from baton.types import ForwardMode
+
+log = logging.getLogger(__name__)
+
+
+class CudaGraphs:
+    def __init__(self, engine, capture: bool = True) -> None:
+        """``capture=False`` runs the same step bodies eagerly: the graph program, testable on CPU."""
+        from baton.engine.relay import Relay
+        from baton.spec.nextn import NextNDrafter
+
+        self.engine = engine
+        self.model = engine.model
+        self.cache = engine.runner.cache
+        self.drafter = engine.drafter
+        if self.drafter is not None and not isinstance(self.drafter, NextNDrafter):
+            raise NotImplementedError("CUDA graphs cover plain decode and NEXTN")
+        self.spec = self.drafter is not None
+        self.num_verify = engine.num_draft_tokens  # k + 1 (1 for plain decode)
+        device = engine.device
+        self.relay = Relay(self.num_verify, self.model.config.hidden_size, engine.dtype, device)
+        self.arange = torch.arange(self.num_verify, device=device)
+        self.one = torch.ones(1, dtype=torch.long, device=device)
+        bodies = [self._draft, self._verify, self._extend] if self.spec else [self._decode]
+        self.replays = bodies
+        if capture:
+            self.pool = torch.cuda.graph_pool_handle()
+            with torch.inference_mode():
+                self.replays = [self._capture(body).replay for body in bodies]
+            self.relay.pos.zero_()
+            torch.cuda.synchronize(device)
+
+    # ---- the captured bodies ----
+
+    def _ctx(self, mode: ForwardMode, positions: torch.Tensor, cache) -> ForwardContext:
+        return ForwardContext(mode, positions, cache, kv_len=None)
+
+    def _decode(self) -> None:
+        r = self.relay
+        ctx = self._ctx(ForwardMode.DECODE, r.pos + self.arange[:1], self.cache)
+        token = self.model.compute_logits(self.model(r.anchor, ctx)).argmax(-1)
+        r.anchor.copy_(token)
+        r.publish(token, self.one)
+        r.pos.add_(1)
+
+    def _draft(self) -> None:
+        r, head, target = self.relay, self.drafter.head, self.model
+        tokens = [r.first_draft]
+        hidden = r.draft_hidden
+        for j in range(1, self.drafter.num_steps):
+            ctx = self._ctx(ForwardMode.DRAFT, r.pos + (j - 1), self.drafter.runner.cache)
+            hidden = head(target.embed(tokens[-1]), hidden, ctx)
+            tokens.append(target.compute_logits(hidden).argmax(-1))
+        r.draft_tokens.copy_(torch.cat(tokens))
+
+    def _verify(self) -> None:
+        r = self.relay
+        ids = torch.cat([r.anchor, r.draft_tokens])
+        ctx = self._ctx(ForwardMode.VERIFY, r.pos + self.arange, self.cache)
+        hidden = self.model(ids, ctx)
+        r.verify_hidden.copy_(hidden)
+        verdict = greedy_verify(r.draft_tokens, self.model.compute_logits(hidden))
+        self.cache.commit(verdict.num_accepted)
+        r.extend_pos.copy_(r.pos)
+        r.num_accepted.copy_(verdict.num_accepted.reshape(1))
+        r.accepted_tokens.copy_(verdict.accepted_tokens)
+        r.publish(verdict.accepted_tokens, verdict.num_accepted + 1)
+        r.pos.add_(verdict.num_accepted + 1)
+        r.anchor.copy_(verdict.bonus.reshape(1))
+
+    def _extend(self) -> None:
+        r, head, target = self.relay, self.drafter.head, self.model
+        ctx = self._ctx(ForwardMode.EXTEND, r.extend_pos + self.arange, self.drafter.runner.cache)
+        g = head(target.embed(r.accepted_tokens), r.verify_hidden, ctx)  # rows past the accept count: unused
+        row = g.index_select(0, r.num_accepted)
+        r.draft_hidden.copy_(row)
+        r.first_draft.copy_(target.compute_logits(row).argmax(-1))
+
+    # ---- capture and replay ----
+
+    def _capture(self, body) -> torch.cuda.CUDAGraph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: allocator, Triton compilation, cuBLAS handles
+                self.relay.pos.zero_()
+                body()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.relay.pos.zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            body()
+        return graph
+
+    def start(self, anchor: torch.Tensor, pos: int) -> None:
+        """Load the relay after an eager prefill (and the drafter's begin)."""
+        self.relay.reset(anchor, pos)
+        if self.spec:
+            self.relay.first_draft.copy_(self.drafter._first.reshape(1))
+            self.relay.draft_hidden.copy_(self.drafter._hidden)
+
+    def step(self, host_step: int) -> None:
+        """Enqueue one decode step and the copy of its committed tokens; returns without waiting."""
+        for replay in self.replays:
+            replay()
+        self.relay.enqueue_copy(host_step)

@@ -1,0 +1,38 @@
+"""The CUDA-graph program (relay on the device, positions from tensors, full-cache attention with a position
+mask, device-indexed commit and extend, one-step-late host reads) run eagerly on CPU: it must produce exactly
+the eager path's greedy tokens. The captured version is checked on the GPU (tests/engine/test_cuda_graphs.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from baton.engine.graphs import CudaGraphs
+from tests.spec.conftest import make_engine
+from tests.spec.test_spec_core import run
+
+
+@pytest.mark.parametrize("spec", [{}, {"algorithm": "NEXTN", "num_steps": 1}, {"algorithm": "NEXTN", "num_steps": 4}])
+def test_graph_program_equals_eager_ling(ling_path, spec):
+    engine = make_engine(ling_path, **spec)
+    want, want_verify = run(engine, max_new_tokens=33)
+    engine.graphs = CudaGraphs(engine, capture=False)
+    got, got_verify = run(engine, max_new_tokens=33)
+    assert got == want
+    if spec:
+        assert got_verify == want_verify
+
+
+def test_graph_program_equals_eager_llama(llama_path, llama_nextn_path):
+    engine = make_engine(llama_path, algorithm="NEXTN", num_steps=3, draft_model_path=llama_nextn_path)
+    want, _ = run(engine, max_new_tokens=29)
+    engine.graphs = CudaGraphs(engine, capture=False)
+    got, _ = run(engine, max_new_tokens=29)
+    assert got == want
+
+
+def test_graph_program_stops_on_max_tokens_and_discards_the_extra_step(ling_path):
+    engine = make_engine(ling_path, algorithm="NEXTN", num_steps=3)
+    engine.graphs = CudaGraphs(engine, capture=False)
+    for n in (1, 2, 5, 9):
+        tokens, _ = run(engine, max_new_tokens=n)
+        assert len(tokens) == n
