@@ -24,7 +24,7 @@ from baton.models.load import load_target
 from baton.models.loader import parse_dtype
 from baton.ops.sampling import logits_to_probs, sample_from_probs
 from baton.spec.base import Drafter
-from baton.spec.verify import Verdict, greedy_verify, rejection_verify
+from baton.spec.verify import Verdict, forced_verdict, greedy_verify, rejection_verify
 from baton.types import ForwardMode, Request, SamplingParams, SpecStats, StepOutput
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,8 @@ class Engine:
         self.graphs.start(anchor, pos)
         first = anchor.tolist()
         self.last_sequence = list(req.input_ids) + first
-        yield self._emit(out, first, 0, False)
+        simulated = self.server_args.spec.simulate_accept_len is not None
+        yield self._emit(out, first, 0, simulated)
         num_verify, host_step = 0, 0
         spec = self.drafter is not None
         gc_enabled = gc.isenabled()
@@ -193,7 +194,7 @@ class Engine:
                 while not out.finished:
                     if should_abort():
                         e = out.abort()
-                        yield StepOutput([], e.text, True, e.finish_reason, num_verify, False)
+                        yield StepOutput([], e.text, True, e.finish_reason, num_verify, simulated)
                         return
                     host_step += 1
                     self.graphs.step(host_step)  # enqueue step k+1 ...
@@ -202,7 +203,7 @@ class Engine:
                         num_verify += 1
                         self.spec_stats.record(len(tokens) - 1)
                     self.last_sequence += tokens
-                    yield self._emit(out, tokens, num_verify, False)
+                    yield self._emit(out, tokens, num_verify, simulated)
         finally:
             if gc_enabled:
                 gc.enable()
@@ -231,12 +232,13 @@ class Engine:
             if target_probs is None:
                 return greedy_verify(draft.tokens, logits)
             return rejection_verify(draft.tokens, draft.probs, target_probs, gen)
-        a = self._simulated_accept(draft.tokens.shape[0], sim)
-        num_accepted = torch.tensor(a, device=logits.device)
-        row = logits[a : a + 1] if target_probs is None else target_probs[a : a + 1]
-        bonus = row.argmax(-1)[0] if target_probs is None else sample_from_probs(row, gen)[0]
-        tokens = torch.cat([draft.tokens[:a], bonus.reshape(1), draft.tokens[a:]])[: draft.tokens.shape[0] + 1]
-        return Verdict(num_accepted, bonus, tokens)
+        a = torch.tensor(self._simulated_accept(draft.tokens.shape[0], sim), device=logits.device)
+        return forced_verdict(draft.tokens, a, logits, target_probs, gen)
+
+    def simulated_accept_table(self, k: int, length: int = 4096) -> torch.Tensor:
+        """The accepted-draft counts the CUDA-graph loop cycles through under simulated acceptance."""
+        sim = self.server_args.spec.simulate_accept_len
+        return torch.tensor([self._simulated_accept(k, sim) for _ in range(length)], device=self.device)
 
     def _simulated_accept(self, k: int, accept_len: float) -> int:
         """--speculative-simulate-accept-len L: accepted drafts a take the two integers around L - 1

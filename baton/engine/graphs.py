@@ -14,7 +14,7 @@ import logging
 import torch
 
 from baton.layers.context import ForwardContext
-from baton.spec.verify import greedy_verify
+from baton.spec.verify import forced_verdict, greedy_verify
 from baton.types import ForwardMode
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,9 @@ class CudaGraphs:
         self.relay = Relay(self.num_verify, self.model.config.hidden_size, engine.dtype, device)
         self.arange = torch.arange(self.num_verify, device=device)
         self.one = torch.ones(1, dtype=torch.long, device=device)
+        self.sim_table = None  # --speculative-simulate-accept-len: accepted counts, cycled by the step counter
+        if self.spec and engine.server_args.spec.simulate_accept_len is not None:
+            self.sim_table = engine.simulated_accept_table(self.drafter.num_steps)
         bodies = [self._draft, self._verify, self._extend] if self.spec else [self._decode]
         self.replays = bodies
         if capture:
@@ -76,7 +79,12 @@ class CudaGraphs:
         ctx = self._ctx(ForwardMode.VERIFY, r.pos + self.arange, self.cache)
         hidden = self.model(ids, ctx)
         r.verify_hidden.copy_(hidden)
-        verdict = greedy_verify(r.draft_tokens, self.model.compute_logits(hidden))
+        logits = self.model.compute_logits(hidden)
+        if self.sim_table is None:
+            verdict = greedy_verify(r.draft_tokens, logits)
+        else:
+            a = self.sim_table.index_select(0, torch.remainder(r.step, self.sim_table.shape[0]))
+            verdict = forced_verdict(r.draft_tokens, a, logits)
         self.cache.commit(verdict.num_accepted)
         r.extend_pos.copy_(r.pos)
         r.num_accepted.copy_(verdict.num_accepted.reshape(1))

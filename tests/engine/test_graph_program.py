@@ -36,3 +36,11 @@ def test_graph_program_stops_on_max_tokens_and_discards_the_extra_step(ling_path
     for n in (1, 2, 5, 9):
         tokens, _ = run(engine, max_new_tokens=n)
         assert len(tokens) == n
+
+
+def test_graph_program_simulated_accept(ling_path):
+    engine = make_engine(ling_path, algorithm="NEXTN", num_steps=5, simulate_accept_len=3.25)
+    engine.graphs = CudaGraphs(engine, capture=False)
+    tokens, verify = run(engine, max_new_tokens=400)
+    assert abs(len(tokens) / verify - 3.25) < 0.15
+    assert abs(engine.spec_stats.avg_accept_length - 3.25) < 0.15

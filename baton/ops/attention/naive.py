@@ -14,8 +14,9 @@ def causal_mask(q_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
-    """q [T, H, D], k [S, Hkv, D], v [S, Hkv, Dv] -> [T, H, Dv]. ``mask`` [T, S] overrides the causal one."""
+              mask: torch.Tensor | None = None, block: int = 512) -> torch.Tensor:
+    """q [T, H, D], k [S, Hkv, D], v [S, Hkv, Dv] -> [T, H, Dv]. ``mask`` [T, S] overrides the causal one.
+    Queries are processed ``block`` rows at a time so a long prefill never materialises [H, T, S] at once."""
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     if num_heads != num_kv_heads:
         rep = num_heads // num_kv_heads
@@ -23,8 +24,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: to
         v = v.repeat_interleave(rep, dim=1)
     if mask is None:
         mask = causal_mask(q_positions, k.shape[0])
-    scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * scale  # [H, T, S]
-    scores = scores.masked_fill(~mask[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("hts,shd->thd", probs, v.float())
+    kf, vf = k.float(), v.float()
+    outs = []
+    for start in range(0, q.shape[0], block):
+        qb, mb = q[start : start + block].float(), mask[start : start + block]
+        scores = torch.einsum("thd,shd->hts", qb, kf) * scale  # [H, Tb, S]
+        scores = scores.masked_fill(~mb[None], float("-inf"))
+        outs.append(torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), vf))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out.to(q.dtype)
