@@ -217,12 +217,33 @@ def _add_bench(sub) -> None:
     p.set_defaults(func=lambda ns: bench_main(ns))
 
 
+def _add_census(sub) -> None:
+    from baton.bench import census
+
+    p = sub.add_parser("census", help="GPU time of one decode step by category, with the floor",
+                       description=census.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    census.add_census_args(p)
+    p.set_defaults(func=census.main)
+
+
 def _add_tools(sub) -> None:
     _add_convert(sub)
+    _add_census(sub)
     try:
         _add_bench(sub)
     except ImportError:  # the bench module is optional until its dependencies are installed
         pass
+    _add_eval_tools(sub)
+
+
+def _add_eval_tools(sub) -> None:
+    from baton.bench.gate import add_gate_parser
+    from baton.bench.gsm8k import add_eval_parser
+    from baton.bench.sweep import add_sweep_parser
+
+    add_gate_parser(sub)
+    add_sweep_parser(sub)
+    add_eval_parser(sub)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -61,3 +61,13 @@ def _write_checkpoint(root, name: str, cfg: dict) -> str:
     from tests.spec.conftest import write_checkpoint
 
     return write_checkpoint(root, name, cfg)
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU tests (marked ``gpu``) are skipped on machines without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

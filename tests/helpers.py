@@ -18,15 +18,20 @@ def tiny_model(cfg_dict: dict, seed: int = 0, **overrides):
     return model
 
 
+def _runner(model, length: int) -> ModelRunner:
+    p = next(model.parameters())
+    return ModelRunner(model.make_cache(length, p.dtype, p.device), p.device)
+
+
 def full_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    runner = ModelRunner(model.make_cache(ids.shape[0] + 8, torch.float32, "cpu"), torch.device("cpu"))
+    runner = _runner(model, ids.shape[0] + 8)
     with torch.inference_mode():
         ctx = runner.context(ForwardMode.PREFILL, 0, ids.shape[0])
         return model.compute_logits(model(ids, ctx))
 
 
 def incremental_logits(model, ids: torch.Tensor, prefill_len: int) -> torch.Tensor:
-    runner = ModelRunner(model.make_cache(ids.shape[0] + 8, torch.float32, "cpu"), torch.device("cpu"))
+    runner = _runner(model, ids.shape[0] + 8)
     outs = []
     with torch.inference_mode():
         ctx = runner.context(ForwardMode.PREFILL, 0, prefill_len)

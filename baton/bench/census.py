@@ -1,0 +1,254 @@
+"""``baton census``: where the GPU time of one decode step goes, as the seed's Figure 10 splits it.
+
+The step (plain decode, or draft + verify + extend) is replayed from its CUDA graphs after a prefill of
+``--input-len`` tokens. Unprofiled: CUDA events around many replays give the true step time. Profiled: a
+torch.profiler trace of a few replays gives each kernel's time, classified by name into MoE GEMM, router /
+activation / glue, all-reduce, dense GEMM, KDA, MLA (or GQA attention), and idle (the step time the trace
+shows no kernel running). The profiled-vs-unprofiled ratio is printed beside it: profiling inflates host
+work, so host-side conclusions need that calibration first. The floor is the bytes one step must touch
+over the measured copy bandwidth (4.2 TB/s on the project's H200).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+
+import torch
+
+H200_BANDWIDTH = 4.2e12  # bytes/s, device-to-device copy measured on the project's H200 (perf-anchors.md)
+
+CATEGORIES = [
+    ("all-reduce", re.compile(r"allreduce|all_reduce|nccl|one_shot|two_shot|symm", re.I)),
+    ("MoE GEMM", re.compile(r"moe|expert", re.I)),
+    ("router / activation / glue", re.compile(r"topk|router|grouped|argmax|softmax|sigmoid", re.I)),
+    ("KDA", re.compile(r"kda|recurrent|short_conv|gated_rms|delta", re.I)),
+    ("MLA", re.compile(r"mla", re.I)),
+    ("attention", re.compile(r"attention|attn|flash|rope", re.I)),
+    ("dense GEMM", re.compile(r"gemv|gemm|linear|matmul|cutlass|xmma|cublas|splitk|sm90|nvjet", re.I)),
+]
+
+
+def classify(name: str) -> str:
+    for label, pattern in CATEGORIES:
+        if pattern.search(name):
+            return label
+    return "router / activation / glue"
+
+
+def _prepare(engine, input_len: int, seed: int = 0) -> None:
+    """Prefill a random prompt and load the relay, as a request would."""
+    from baton.types import Request, SamplingParams
+
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, min(engine.model_config.vocab_size, 32000), (input_len,), generator=gen).tolist()
+    req = Request(ids, SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True))
+    with torch.inference_mode():
+        anchor, pos = engine._prefill(req, None)
+        engine.graphs.start(anchor, pos)
+    torch.cuda.synchronize()
+
+
+def time_steps(engine, num_steps: int) -> list[float]:
+    """Per-step wall time (ms) of back-to-back graph replays, CUDA events around each step."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(num_steps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(num_steps)]
+    for i in range(num_steps):
+        starts[i].record()
+        for replay in engine.graphs.replays:
+            replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+
+
+def profile_steps(engine, num_steps: int) -> tuple[dict[str, float], float, int]:
+    """Kernel time per category (µs per step), the traced step time (µs), and kernels per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(num_steps):
+            for replay in engine.graphs.replays:
+                replay()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0]
+    per_cat: dict[str, float] = {}
+    intervals = []
+    for e in kernels:
+        label = classify(e.name)
+        per_cat[label] = per_cat.get(label, 0.0) + e.device_time / num_steps
+        intervals.append((e.time_range.start, e.time_range.end))
+    busy = _union_length(intervals) / num_steps
+    span = (max(e for _, e in intervals) - min(s for s, _ in intervals)) / num_steps if intervals else 0.0
+    per_cat["idle"] = max(span - busy, 0.0)
+    del wall
+    return per_cat, span, len(kernels) // max(num_steps, 1)
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def distinct_experts(engine, num_tokens: int) -> float:
+    """Mean number of distinct routed experts a verify of ``num_tokens`` tokens touches per MoE layer,
+    measured on the router of the loaded weights (eager forward over random ids)."""
+    from baton.layers.moe import SparseMoE
+
+    counts: list[int] = []
+    moes = [m for m in engine.model.modules() if isinstance(m, SparseMoE)]
+    if not moes:
+        return 0.0
+    handles = [_wrap_route(m, counts) for m in moes]
+    try:
+        x = torch.randn(num_tokens, engine.model_config.hidden_size, device=engine.device, dtype=engine.dtype)
+        with torch.inference_mode():
+            for m in moes:
+                m.route(x)
+    finally:
+        for restore in handles:
+            restore()
+    return statistics.mean(counts) if counts else 0.0
+
+
+def _wrap_route(module, counts: list[int]):
+    original = module.route
+
+    def route(x):
+        ids, weights = original(x)
+        counts.append(int(torch.unique(ids).numel()))
+        return ids, weights
+
+    module.route = route
+    return lambda: setattr(module, "route", original)
+
+
+def step_bytes(engine, input_len: int, num_verify: int, experts_per_layer: float) -> dict[str, float]:
+    """Bytes one step must move at least once: weights touched (dense once, each distinct expert once, the
+    lm_head per row set), linear-attention states read and written, the attention cache read."""
+    from baton.cache.kv import KVCache, MLACache
+    from baton.cache.state import KDAState
+    from baton.layers.moe import Experts
+
+    model, k = engine.model, num_verify
+    expert_bytes = 0.0
+    dense = 0
+    for name, p in model.named_parameters():
+        if name.startswith("mtp.") or "embed" in name or "word_embeddings" in name:
+            continue
+        if name.endswith("experts.w13") or name.endswith("experts.w2"):
+            continue
+        dense += p.nbytes
+    lm_head = model.lm_head_weight.nbytes
+    if getattr(model.config, "tie_word_embeddings", False):
+        dense += lm_head
+    experts = [m for n, m in model.named_modules() if isinstance(m, Experts) and not n.startswith("mtp.")]
+    if experts:
+        e = experts[0]
+        per_expert = (e.w13.nbytes + e.w2.nbytes) / e.w13.shape[0]
+        expert_bytes = len(experts) * experts_per_layer * per_expert
+    state = 0
+    cache_read = 0
+    ctx = input_len
+    for c in engine.runner.cache.layers.values():
+        if isinstance(c, KDAState):
+            state += 2 * c.recurrent.nbytes + 2 * c.conv.nbytes + (k - 1) * c.recurrent.nbytes * (k > 1)
+        elif isinstance(c, MLACache):
+            cache_read += ctx * c.latent.shape[1] * c.latent.element_size()
+        elif isinstance(c, KVCache):
+            cache_read += ctx * (c.k[0].nbytes + c.v[0].nbytes)
+    out = {"dense_weights": float(dense), "experts": expert_bytes, "state": float(state), "cache": float(cache_read)}
+    drafter = engine.drafter
+    if drafter is not None and hasattr(drafter, "head"):
+        head_bytes = sum(p.nbytes for p in drafter.head.parameters())
+        # num_steps - 1 chain forwards plus the extend, each reading the head and one lm_head pass.
+        out["draft"] = float(drafter.num_steps * (head_bytes + lm_head))
+    out["total"] = sum(out.values())
+    return out
+
+
+def run_census(engine, input_len: int = 8192, num_steps: int = 50, profile_steps_n: int = 10) -> dict:
+    if engine.graphs is None:
+        raise ValueError("census needs the CUDA-graph path (a CUDA device, no --disable-cuda-graph)")
+    _prepare(engine, input_len)
+    time_steps(engine, 5)  # warm
+    _prepare(engine, input_len)
+    times = time_steps(engine, num_steps)
+    step_ms = statistics.median(times)
+    _prepare(engine, input_len)
+    per_cat, traced_us, kernels = profile_steps(engine, profile_steps_n)
+    k = engine.num_draft_tokens
+    experts = distinct_experts(engine, k)
+    nbytes = step_bytes(engine, input_len, k, experts)
+    floor_ms = nbytes["total"] / H200_BANDWIDTH * 1e3
+    return {
+        "step_ms_unprofiled": step_ms,
+        "step_ms_unprofiled_p10_p90": [_pct(times, 10), _pct(times, 90)],
+        "step_ms_profiled": traced_us / 1e3,
+        "profiled_over_unprofiled": traced_us / 1e3 / step_ms if step_ms else None,
+        "kernels_per_step": kernels,
+        "census_us": {k_: round(v, 2) for k_, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
+        "distinct_experts_per_layer": experts,
+        "bytes_per_step": nbytes,
+        "floor_ms": floor_ms,
+        "step_over_floor": step_ms / floor_ms if floor_ms else None,
+        "verify_tokens": k,
+        "input_len": input_len,
+    }
+
+
+def _pct(values: list[float], q: int) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(len(s) * q / 100))]
+
+
+def format_census(result: dict) -> str:
+    lines = [f"step (unprofiled, median)   {result['step_ms_unprofiled']:.3f} ms",
+             f"step (profiled trace)       {result['step_ms_profiled']:.3f} ms  "
+             f"(x{result['profiled_over_unprofiled']:.2f} of unprofiled)",
+             f"kernels per step            {result['kernels_per_step']}",
+             f"floor (bytes / 4.2 TB/s)    {result['floor_ms']:.3f} ms  "
+             f"(step = {result['step_over_floor']:.2f} x floor)"]
+    total = sum(result["census_us"].values())
+    for label, us in result["census_us"].items():
+        lines.append(f"  {label:<28}{us:9.1f} µs  {100 * us / total:5.1f}%")
+    return "\n".join(lines)
+
+
+def add_census_args(p: argparse.ArgumentParser) -> None:
+    from baton.cli import add_engine_args
+
+    add_engine_args(p)
+    p.add_argument("--input-len", type=int, default=8192, help="prompt length prefilled before the census")
+    p.add_argument("--num-steps", type=int, default=50, help="unprofiled steps timed")
+    p.add_argument("--profile-steps", type=int, default=10, help="steps traced by the profiler")
+    p.add_argument("--output-file", default=None, help="append the result as one JSON line")
+
+
+def main(ns: argparse.Namespace) -> int:
+    from baton.cli import server_args_from
+    from baton.engine.engine import Engine
+
+    args = server_args_from(ns)
+    if args.context_length is None:
+        args.context_length = ns.input_len + 64 * max(args.spec.num_draft_tokens or 1, 1) + 64
+    engine = Engine(args)
+    result = run_census(engine, ns.input_len, ns.num_steps, ns.profile_steps)
+    print(format_census(result))
+    if ns.output_file:
+        with open(ns.output_file, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    return 0

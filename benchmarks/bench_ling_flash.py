@@ -1,0 +1,96 @@
+"""Ling-3.0-flash layer shapes with dummy weights on one H200 (as many layers as fit in bf16): decode step
+and 6-token verify step times, the census, and NEXTN (5, 1, 6) TPOT at simulated accept length 3.25 with
+8192 input / 1024 output tokens, batch 1, greedy.
+
+    python benchmarks/bench_ling_flash.py [--num-layers 18] [--input-len 8192] [--output-len 1024]
+
+The floor of each step is printed by the census: bytes touched (dense weights once, each distinct expert once,
+KDA states read and written, the MLA latent cache read, the draft's reads) over 4.2 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import env_card, save, summarize, timed_request
+
+
+def flash_dir() -> str:
+    d = Path(tempfile.mkdtemp(prefix="ling-flash-"))
+    text = resources.files("baton.data").joinpath("ling-3.0-flash.config.json").read_text()
+    (d / "config.json").write_text(text)
+    return str(d)
+
+
+def graph_times(engine, repeats: int = 50) -> dict[str, float]:
+    """Median µs of each captured graph of the step, replayed back to back."""
+    names = ["draft", "verify", "extend"] if engine.drafter is not None else ["decode"]
+    out = {}
+    for name, replay in zip(names, engine.graphs.replays, strict=True):
+        times = []
+        for _ in range(repeats):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            replay()
+            e.record()
+            e.synchronize()
+            times.append(1e3 * s.elapsed_time(e))
+        out[name] = statistics.median(times)
+    return out
+
+
+def run_mode(args, path: str, spec: dict) -> dict:
+    from baton.bench.census import _prepare, format_census, run_census
+    from baton.config import ServerArgs, SpecConfig
+    from baton.engine.engine import Engine
+
+    server_args = ServerArgs(model_path=path, load_format="dummy", device="cuda", dtype="bfloat16",
+                             json_model_override_args=json.dumps({"num_hidden_layers": args.num_layers}),
+                             context_length=args.input_len + args.output_len + 64, spec=SpecConfig(**spec))
+    engine = Engine(server_args)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 150000, (args.input_len,), generator=gen).tolist()
+    timed_request(engine, prompt[:512], 16)  # warm
+    runs = [timed_request(engine, prompt, args.output_len) for _ in range(args.num_requests)]
+    census = run_census(engine, args.input_len, num_steps=50, profile_steps_n=10)
+    print(format_census(census))
+    _prepare(engine, args.input_len)
+    record = {"spec": spec, "tpot_ms": summarize(runs, "tpot_ms"), "ttft_ms": summarize(runs, "ttft_ms"),
+              "accept_length": summarize(runs, "accept_length"), "graph_us": graph_times(engine),
+              "census": census, "gpu_mem_gb": torch.cuda.max_memory_allocated() / 1e9, "runs": runs}
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return record
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--num-layers", type=int, default=18)
+    p.add_argument("--input-len", type=int, default=8192)
+    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument("--num-requests", type=int, default=2)
+    p.add_argument("--modes", default="plain,nextn")
+    args = p.parse_args()
+    path = flash_dir()
+    modes = {"plain": {}, "nextn": {"algorithm": "NEXTN", "num_steps": 5, "eagle_topk": 1, "num_draft_tokens": 6,
+                                     "simulate_accept_len": 3.25}}
+    record = {"benchmark": "ling_flash_layers", "env": env_card(), "num_layers": args.num_layers,
+              "input_len": args.input_len, "output_len": args.output_len}
+    for name in args.modes.split(","):
+        record[name] = run_mode(args, path, modes[name])
+        print(name, json.dumps({k: v for k, v in record[name].items() if k not in ("runs", "census")}))
+    save(f"ling_flash_{args.num_layers}l", record)
+
+
+if __name__ == "__main__":
+    main()

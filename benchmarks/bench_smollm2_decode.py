@@ -1,0 +1,92 @@
+"""SmolLM2-135M-Instruct, plain greedy decode at batch 1 on one GPU: baton (CUDA graphs) against Hugging Face
+transformers ``generate`` in the same run, with the floor.
+
+    python benchmarks/bench_smollm2_decode.py [--prompt-len 512] [--new-tokens 256] [--hf-new-tokens 64]
+
+Floor: the bytes one token must read (every weight once in bf16, the tied lm_head counted once, the KV
+cache at the mean context) over 4.2 TB/s, and separately kernels-per-step x the ~1 µs graph launch gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from benchmarks.common import env_card, save, summarize, timed_request
+
+
+def bytes_per_token(engine, context: int) -> int:
+    weights = sum(p.nbytes for p in engine.model.parameters())
+    kv = sum(c.k[0].nbytes + c.v[0].nbytes for c in engine.runner.cache.layers.values()) * context
+    return weights + kv
+
+
+def hf_generate(engine, prompt_ids: list[int], new_tokens: int) -> dict:
+    """transformers LlamaForCausalLM with the same weights, eager ``generate`` (greedy), bf16."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from baton.config import config_to_dict
+    from baton.models.loader import hf_layout
+
+    cfg = config_to_dict(engine.model_config)
+    hf_cfg = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("model_type",)})
+    model = LlamaForCausalLM(hf_cfg).to(device=engine.device, dtype=torch.bfloat16).eval()
+    params = dict(engine.model.named_parameters())
+    sd = {name: slot.view(params).detach() for name, slot in hf_layout(engine.model).items()}
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not unexpected, unexpected
+    ids = torch.tensor([prompt_ids], device=engine.device)
+    times = {}
+    for n in (1, new_tokens):
+        with torch.inference_mode():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)  # warm
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            torch.cuda.synchronize()
+            times[n] = time.perf_counter() - t0
+    per_token = (times[new_tokens] - times[1]) / (new_tokens - 1)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"ms_per_token": 1e3 * per_token, "tok_s": 1.0 / per_token, "new_tokens": new_tokens}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--hf-new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--load-format", default="auto", help="dummy: random weights at the SmolLM2 config")
+    p.add_argument("--skip-hf", action="store_true")
+    args = p.parse_args()
+
+    from baton.config import ServerArgs
+    from baton.engine.engine import Engine
+
+    engine = Engine(ServerArgs(load_format=args.load_format, device="cuda", dtype="bfloat16",
+                               context_length=args.prompt_len + args.new_tokens + 64))
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, 40000, (args.prompt_len,), generator=gen).tolist()
+    timed_request(engine, prompt, 32)  # warm
+    runs = [timed_request(engine, prompt, args.new_tokens) for _ in range(args.repeats)]
+    tok_s = summarize(runs, "decode_tok_s")
+    step_bytes = bytes_per_token(engine, args.prompt_len + args.new_tokens // 2)
+    record = {"benchmark": "smollm2_decode", "env": env_card(), "prompt_len": args.prompt_len,
+              "new_tokens": args.new_tokens, "baton_decode_tok_s": tok_s,
+              "baton_ms_per_token": 1e3 / tok_s["median"], "bytes_per_token": step_bytes,
+              "floor_bandwidth_ms": step_bytes / 4.2e12 * 1e3, "runs": runs}
+    if not args.skip_hf:
+        record["hf_generate"] = hf_generate(engine, prompt, args.hf_new_tokens)
+        record["speedup_vs_hf_generate"] = tok_s["median"] / record["hf_generate"]["tok_s"]
+    record["peer_hf_static_compile_ms"] = 1.54  # measured on the project's H200 (perf-anchors.md)
+    record["speedup_vs_hf_static_compile"] = 1.54 / record["baton_ms_per_token"]
+    save("smollm2_decode", record)
+
+
+if __name__ == "__main__":
+    main()
