@@ -51,3 +51,19 @@ def sync_debug() -> bool:
     """``BATON_SYNC_DEBUG=1`` runs the CUDA-graph decode loop under ``torch.cuda.set_sync_debug_mode("error")``:
     any blocking device-to-host read in the loop raises."""
     return _get("BATON_SYNC_DEBUG", "0") not in ("0", "", "false", "False")
+
+
+def use_triton() -> bool:
+    """``BATON_TRITON`` (default on): CUDA tensors take the Triton kernels; ``0`` forces the PyTorch fallbacks."""
+    return _get("BATON_TRITON", "1") not in ("0", "", "false", "False")
+
+
+def use_pdl() -> bool:
+    """``BATON_PDL`` (default on): launch Triton kernels with programmatic dependent launch where the GPU supports it
+    (compute capability >= 9); ``0`` turns it off."""
+    return _get("BATON_PDL", "1") not in ("0", "", "false", "False")
+
+
+def triton_interpret() -> bool:
+    """``TRITON_INTERPRET``: Triton kernels run in its CPU interpreter, where PDL instructions do not exist."""
+    return _get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
-import pytest
+import os
+
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run in its interpreter on CPU-only machines; this must be set before triton is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 from baton.cli import main as baton_main
 

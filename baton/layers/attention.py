@@ -10,7 +10,7 @@ from baton.layers.context import ForwardContext
 from baton.layers.linear import FusedLinear, Linear
 from baton.layers.norm import RMSNorm
 from baton.layers.rope import RotaryEmbedding
-from baton.ops.attention import attention
+from baton.ops.attention import attention, rope_and_cache_write
 from baton.ops.linear import linear
 
 
@@ -33,10 +33,11 @@ class GQAttention(nn.Module):
         t = x.shape[0]
         qkv = linear(x, self.qkv_proj.weight, None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
         q, k, v = self.qkv_proj.split(qkv)
-        q = self.rope(ctx.positions, q.reshape(t, self.num_heads, self.head_dim))
-        k = self.rope(ctx.positions, k.reshape(t, self.num_kv_heads, self.head_dim))
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         cache: KVCache = ctx.cache[self.layer_id]
-        cache.write(ctx.positions, k, v.reshape(t, self.num_kv_heads, self.head_dim))
+        q = rope_and_cache_write(q, k, v, ctx.positions, self.rope.inv_freq, cache.k, cache.v, interleaved=False)
         k_all, v_all = cache.view(ctx.kv_len)
         o = attention(q, k_all, v_all, ctx.positions, self.scale)
         return linear(o.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight, residual=residual)

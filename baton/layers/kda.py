@@ -16,9 +16,9 @@ from baton.config import LingConfig
 from baton.layers.context import ForwardContext
 from baton.layers.linear import FusedLinear, Linear
 from baton.layers.norm import GatedRMSNorm, RMSNorm
-from baton.ops.kda import kda_chunk, kda_gate, kda_recurrent
+from baton.ops.kda import kda_chunk, kda_gate, kda_recurrent_fused
 from baton.ops.linear import linear
-from baton.ops.short_conv import short_conv
+from baton.ops.short_conv import short_conv, short_conv_update
 from baton.types import ForwardMode
 
 
@@ -64,22 +64,29 @@ class KimiDeltaAttention(nn.Module):
         qkv, f, gate, b = y.split(self._split, dim=-1)
         if self.use_lora:
             f, gate = linear(f, self.f_b_proj.weight), linear(gate, self.g_b_proj.weight)
-        qkv, windows = short_conv(qkv, self.conv1d.weight[:, 0, :], state.conv)
+        conv_w = self.conv1d.weight[:, 0, :]  # [3P, W]
+        if ctx.mode is ForwardMode.PREFILL:
+            o = self._prefill(qkv, f, gate, b, conv_w, state)
+        else:
+            staging = ctx.stages_state
+            qkv = short_conv_update(qkv, conv_w, state.conv, state.staged_conv if staging else None, not staging)
+            q, kk, v = (z.view(t, h, k) for z in qkv.split(p, dim=-1))
+            o = kda_recurrent_fused(q, kk, v, f.reshape(t, h, k), b, self.A_log, self.dt_bias, self.lower_bound,
+                                    state.recurrent, None, state.staged_recurrent if staging else None,
+                                    not staging, self.o_norm.weight, gate.reshape(t, h, k), self.o_norm.eps)
+        return linear(o.reshape(t, p), self.o_proj.weight, residual=residual)
+
+    def _prefill(self, qkv, f, gate, b, conv_w, state: KDAState) -> torch.Tensor:
+        """The chunked (parallel) form over the whole prompt; updates the persistent state."""
+        t, h, k, p = qkv.shape[0], self.num_heads, self.head_dim, self.proj_dim
+        qkv, windows = short_conv(qkv, conv_w, state.conv)
         q, kk, v = (z.view(t, h, k) for z in qkv.split(p, dim=-1))
         g = kda_gate(f.reshape(t, h, k), self.A_log, self.dt_bias, self.lower_bound)  # [T, H, K] fp32
         beta = torch.sigmoid(b.float())  # [T, H]
-        if ctx.mode is ForwardMode.PREFILL:
-            o, final = kda_chunk(q, kk, v, g, beta, state.recurrent)
-        elif ctx.stages_state:
-            o, _, states = kda_recurrent(q, kk, v, g, beta, state.recurrent, return_states=True)
-            state.stage(states, windows)
-        else:
-            o, final = kda_recurrent(q, kk, v, g, beta, state.recurrent)
-        if not ctx.stages_state:
-            state.recurrent.copy_(final)
-            state.conv.copy_(windows[-1])
-        o = self.o_norm(o, gate.reshape(t, h, k))
-        return linear(o.reshape(t, p), self.o_proj.weight, residual=residual)
+        o, final = kda_chunk(q, kk, v, g, beta, state.recurrent)
+        state.recurrent.copy_(final)
+        state.conv.copy_(windows[-1])
+        return self.o_norm(o, gate.reshape(t, h, k))
 
     def make_cache(self, max_len: int, dtype: torch.dtype, device, max_stage: int = 8) -> KDAState:
         return KDAState(self.num_heads, self.head_dim, self.head_dim, 3 * self.proj_dim, self.conv_width,

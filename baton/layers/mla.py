@@ -16,7 +16,7 @@ from baton.layers.context import ForwardContext
 from baton.layers.linear import FusedLinear, Linear
 from baton.layers.norm import RMSNorm
 from baton.layers.rope import RotaryEmbedding
-from baton.ops.attention import attention
+from baton.ops.attention import attention, rope_and_cache_write
 from baton.ops.linear import linear
 from baton.ops.mla_decode import mla_decode
 from baton.types import ForwardMode
@@ -59,11 +59,13 @@ class MLAttention(nn.Module):
         if self.q_lora_rank is not None:
             q = linear(q, self.q_b_proj.weight, self.q_a_layernorm.weight, self.q_a_layernorm.eps)
         q = q.reshape(t, self.num_heads, self.qk_dim)
-        q_nope, q_rope = q[..., : self.nope_dim], self.rope(ctx.positions, q[..., self.nope_dim :])
         c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
-        k_rope = self.rope(ctx.positions, kv[:, self.kv_lora_rank :])
         cache: MLACache = ctx.cache[self.layer_id]
-        cache.write(ctx.positions, torch.cat([c, k_rope], dim=-1))
+        latent_all, r = cache.latent, self.kv_lora_rank
+        # RoPE on q_rope (in place) and k_rope; the cache row becomes [RMSNorm(c) | RoPE(k_rope)].
+        q_rope = rope_and_cache_write(q[..., self.nope_dim :], kv[:, r:], c, ctx.positions, self.rope.inv_freq,
+                                      latent_all[:, r:], latent_all[:, :r], interleaved=self.rope.interleaved)
+        q_nope = q[..., : self.nope_dim]
         latent = cache.view(ctx.kv_len)
         if ctx.mode is ForwardMode.PREFILL:
             o = self._attend_expanded(q_nope, q_rope, latent, ctx.positions)

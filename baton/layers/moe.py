@@ -10,7 +10,7 @@ from torch import nn
 from baton.config import LingConfig
 from baton.layers.mlp import MLP
 from baton.layers.norm import RMSNorm
-from baton.ops.moe import fused_experts, grouped_topk
+from baton.ops.moe import moe_experts, select_experts
 
 
 class Router(nn.Module):
@@ -48,22 +48,23 @@ class SparseMoE(nn.Module):
             inter = cfg.moe_shared_expert_intermediate_size * cfg.num_shared_experts
             self.shared_experts = MLP(cfg.hidden_size, inter, cfg.shared_swiglu_limit(layer_id), **kw)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, d] -> router logits [T, E] fp32 (the GEMV in fp32 or in the weight dtype per ``router_dtype``)."""
         if self.router_fp32:
-            logits = x.float() @ self.gate.weight.float().t()
-        else:
-            logits = (x @ self.gate.weight.t()).float()
-        return grouped_topk(torch.sigmoid(logits), self.gate.expert_bias, self.top_k, self.n_group,
-                            self.topk_group, self.renormalize, self.scaling)
+            return x.float() @ self.gate.weight.float().t()
+        return (x @ self.gate.weight.t()).float()
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, d] -> (topk_ids [T, k], topk_weights [T, k] fp32)."""
+        return select_experts(self.router_logits(x), self.gate.expert_bias, self.top_k, self.n_group,
+                              self.topk_group, self.renormalize, self.scaling)
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """``[residual +] routed(norm(x)) + shared(norm(x))``, the combine accumulated in fp32."""
         h = x if norm is None else norm(x)
         topk_ids, topk_weights = self.route(h)
-        y = fused_experts(h, self.experts.w13, self.experts.w2, topk_ids, topk_weights, self.expert_limit)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(h).float()
-        if residual is not None:
-            y = y + residual.float()
+        shared = self.shared_experts(h) if self.shared_experts is not None else None
+        y = moe_experts(h, self.experts.w13, self.experts.w2, topk_ids, topk_weights, self.expert_limit,
+                        residual=residual, shared_out=shared)
         return y.to(x.dtype)

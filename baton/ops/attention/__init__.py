@@ -1,5 +1,91 @@
-"""Attention over a position-indexed cache; ``attention`` picks the implementation for the device."""
+"""Attention over a position-indexed cache; ``attention`` picks the implementation for the device.
 
-from baton.ops.attention.naive import attention, causal_mask
+CUDA tensors take the Triton kernels (``triton.py``: flash-decoding attention; ``rope_cache.py``: RoPE plus the
+cache write) when triton imports and ``baton.env.use_triton()`` allows; CPU tensors, a custom mask, or no
+triton take the plain-PyTorch reference. Triton is imported on the first CUDA call, never by importing this
+package.
+"""
 
-__all__ = ["attention", "causal_mask"]
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+
+import torch
+
+from baton.env import use_triton
+from baton.ops.attention.naive import attention as attention_naive
+from baton.ops.attention.naive import causal_mask
+
+__all__ = ["attention", "causal_mask", "rope_and_cache_write", "triton_module"]
+
+
+@functools.cache
+def _import(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def triton_module(name: str, tensor: torch.Tensor) -> ModuleType | None:
+    """The Triton implementation module ``name`` when ``tensor`` is on CUDA, Triton is allowed and importable."""
+    if not (tensor.is_cuda and use_triton()):
+        return None
+    return _import(name)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, scale: float,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, H, D], k [S, Hkv, D], v [S, Hkv, Dv] -> [T, H, Dv]; causal over cache rows unless ``mask`` [T, S]."""
+    impl = triton_module("baton.ops.attention.triton", q) if mask is None else None
+    if impl is not None:
+        return impl.attention(q, k, v, q_positions, scale)
+    return attention_naive(q, k, v, q_positions, scale, mask)
+
+
+def rope_and_cache_write(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor | None, positions: torch.Tensor,
+                         cos_sin_or_inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
+                         interleaved: bool) -> torch.Tensor | None:
+    """Returns RoPE(q) and writes ``k_cache[positions] = RoPE(k)``, ``v_cache[positions] = v``. The Triton kernel
+    rotates q in place and returns it; the PyTorch path returns a new tensor: callers use the return value.
+    Shapes and the two forms of ``cos_sin_or_inv_freq`` as in ``rope_cache.rope_and_cache_write``."""
+    impl = triton_module("baton.ops.attention.rope_cache", k)
+    if impl is not None:
+        return impl.rope_and_cache_write(q, k, v, positions, cos_sin_or_inv_freq, k_cache, v_cache, interleaved)
+    return _rope_and_cache_write_torch(q, k, v, positions, cos_sin_or_inv_freq, k_cache, v_cache, interleaved)
+
+
+def _rope_and_cache_write_torch(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor | None,
+                                positions: torch.Tensor, cos_sin_or_inv_freq: torch.Tensor, k_cache: torch.Tensor,
+                                v_cache: torch.Tensor | None, interleaved: bool) -> torch.Tensor | None:
+    """The same in plain PyTorch, with ``RotaryEmbedding``'s arithmetic (fp32 angles and rotation)."""
+    table = cos_sin_or_inv_freq
+    if table.dim() == 2:
+        cos, sin = table[positions].float().chunk(2, dim=-1)  # [T, rotary_dim / 2] each
+    else:
+        freqs = positions.float()[:, None] * table[None, :]  # [T, rotary_dim / 2]
+        cos, sin = freqs.cos(), freqs.sin()
+    half = cos.shape[-1]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> RoPE on the first 2 * half dims
+        xf = x[..., : 2 * half].float()
+        c, s = cos[:, None, :], sin[:, None, :]
+        if interleaved:
+            x1, x2 = xf[..., 0::2], xf[..., 1::2]
+            out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+        else:
+            x1, x2 = xf[..., :half], xf[..., half:]
+            out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        return torch.cat([out.to(x.dtype), x[..., 2 * half :]], dim=-1)
+
+    if q is not None:
+        q = rotate(q)  # out of place, so autograd (draft training) can differentiate through it
+    k3 = k if k.dim() == 3 else k.unsqueeze(1)
+    k_cache3 = k_cache if k_cache.dim() == 3 else k_cache.unsqueeze(1)
+    k_cache3.index_copy_(0, positions, rotate(k3).to(k_cache.dtype))
+    if v is not None:
+        v_cache3 = v_cache if v_cache.dim() == 3 else v_cache.unsqueeze(1)
+        v_cache3.index_copy_(0, positions, (v if v.dim() == 3 else v.unsqueeze(1)).to(v_cache.dtype))
+    return q

@@ -22,7 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["kda_chunk", "kda_decode_step", "kda_gate", "kda_recurrent", "l2norm"]
+from baton.ops.rmsnorm.naive import gated_rms_norm
+
+__all__ = ["kda_chunk", "kda_decode_step", "kda_gate", "kda_recurrent", "kda_recurrent_fused", "l2norm"]
 
 
 def kda_gate(
@@ -219,4 +221,49 @@ def kda_decode_step(
     assert q.shape[0] == 1, f"kda_decode_step takes one token, got T={q.shape[0]}"
     o, final_state = kda_recurrent(q, k, v, g, beta, state, scale=scale, use_qk_l2norm=use_qk_l2norm)
     state.copy_(final_state)
+    return o
+
+
+def kda_recurrent_fused(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    f: torch.Tensor,
+    b_logits: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    lower_bound: float | None,
+    state: torch.Tensor,
+    scale: float | None,
+    out_states: torch.Tensor | None = None,
+    update_state: bool = True,
+    o_norm_weight: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    out: torch.Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Reference for the fused decode / verify kernel (``baton.ops.kda.triton.kda_recurrent_fused``), same
+    signature: ``kda_gate`` + sigmoid(b) + ``kda_recurrent`` (L2-normalised q, k) [+ ``gated_rms_norm``].
+
+    q, k, f: [T, H, K] (f is the raw ``f_proj`` output); v: [T, H, V]; b_logits: [T, H] raw; state [H, K, V]
+    fp32. ``out_states[:T]`` (fp32) receives every position's post-state; ``update_state`` writes the final
+    state into ``state``. With ``o_norm_weight`` [V] and ``gate`` [T, H, V] the output is gated-RMS-normed.
+    ``block_v`` / ``num_warps`` are the kernel's tunables, ignored here. Returns o [T, H, V] in v's dtype.
+    """
+    T = q.shape[0]
+    g = kda_gate(f, A_log, dt_bias, lower_bound)  # [T, H, K] fp32
+    beta = torch.sigmoid(b_logits.float())  # [T, H]
+    o, final, states = kda_recurrent(q, k, v, g, beta, state, scale=scale, use_qk_l2norm=True, return_states=True)
+    if out_states is not None:
+        out_states[:T].copy_(states)
+    if update_state:
+        state.copy_(final)
+    if o_norm_weight is not None:
+        assert gate is not None, "the output norm needs the gate"
+        o = gated_rms_norm(o, gate, o_norm_weight, eps)
+    if out is not None:
+        return out.copy_(o)
     return o

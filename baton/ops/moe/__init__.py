@@ -1,5 +1,61 @@
-"""MoE routing and routed experts."""
+"""MoE routing and routed experts.
 
-from baton.ops.moe.naive import fused_experts, grouped_topk
+``select_experts`` (router logits -> top-k ids and weights) and ``moe_experts`` (routed experts + shared output +
+residual, combined in fp32) dispatch to the Triton kernels in ``baton.ops.moe.triton`` for CUDA tensors when triton
+imports and ``BATON_TRITON`` is on, and to the PyTorch reference otherwise (the host-sync-free
+``fused_experts_dense_gather`` while a CUDA graph is being captured). The Triton module is imported lazily, on the
+first CUDA call, so that tests can switch ``TRITON_INTERPRET`` on before its kernels are decorated."""
 
-__all__ = ["fused_experts", "grouped_topk"]
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from baton import env
+from baton.ops.moe.naive import fused_experts, fused_experts_dense_gather, grouped_topk
+
+__all__ = ["fused_experts", "fused_experts_dense_gather", "grouped_topk", "moe_experts", "select_experts"]
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_impl() -> ModuleType | None:
+    try:
+        from baton.ops.moe import triton as impl
+    except ImportError:
+        return None
+    return impl
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda and env.use_triton() and _triton_impl() is not None
+
+
+def select_experts(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
+                   renormalize: bool, scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (topk_ids [T, k], topk_weights [T, k] fp32): sigmoid, group-limited top-k on the
+    bias-corrected scores, weights from the unbiased scores (renormalised, scaled)."""
+    if _use_triton(logits):
+        return _triton_impl().grouped_topk_fused(logits, expert_bias, top_k, n_group, topk_group, renormalize,
+                                                 scaling_factor)
+    return grouped_topk(torch.sigmoid(logits.float()), expert_bias, top_k, n_group, topk_group, renormalize,
+                        scaling_factor)
+
+
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor, swiglu_limit: float = 0.0, residual: torch.Tensor | None = None,
+                shared_out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[residual +] [shared_out +] sum_k w_k * expert_k(x)`` accumulated in fp32, returned in x's dtype.
+    x [T, d]; w13 [E, 2I, d]; w2 [E, d, I]; topk_ids / topk_weights [T, k]; residual / shared_out [T, d]."""
+    if _use_triton(x):
+        return _triton_impl().fused_experts_decode(x, w13, w2, topk_ids, topk_weights, swiglu_limit,
+                                                   residual=residual, shared_out=shared_out)
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    routed = fused_experts_dense_gather if capturing else fused_experts
+    y = routed(x, w13, w2, topk_ids, topk_weights, swiglu_limit)
+    if shared_out is not None:
+        y = y + shared_out.float()
+    if residual is not None:
+        y = y + residual.float()
+    return y.to(x.dtype)

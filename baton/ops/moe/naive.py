@@ -43,3 +43,18 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids
         y = (h @ w2[e].t()).float() * weights[sel, None]
         out.index_add_(0, toks, y)
     return out
+
+
+def fused_experts_dense_gather(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                               topk_weights: torch.Tensor, swiglu_limit: float = 0.0) -> torch.Tensor:
+    """``fused_experts`` without a host sync (safe in CUDA graphs): for each of the k slots, gather every token's
+    expert weights with ``index_select`` and run a batched matmul. Reads T*k expert matrices (duplicates included)
+    and holds T of them at a time ([T, 2I, d] + [T, d, I]); meant for small T. Returns [T, d] fp32."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for j in range(topk_ids.shape[1]):
+        ids = topk_ids[:, j]
+        gate_up = torch.bmm(w13.index_select(0, ids), x[:, :, None])[:, :, 0]  # [T, 2I]
+        h = swiglu(gate_up, swiglu_limit)  # [T, I]
+        y = torch.bmm(w2.index_select(0, ids), h[:, :, None])[:, :, 0]  # [T, d]
+        out += y.float() * topk_weights[:, j : j + 1].float()
+    return out

@@ -22,3 +22,31 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tu
     y = (frames.float() * weight.float()[None]).sum(-1)
     windows = xp.unfold(0, width - 1, 1)[1:]  # [T, D, W-1]
     return F.silu(y).to(x.dtype), windows
+
+
+def short_conv_update(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_state: torch.Tensor,
+    out_windows: torch.Tensor | None = None,
+    update_state: bool = True,
+    *,
+    out: torch.Tensor | None = None,
+    block_d: int | None = None,
+    num_warps: int | None = None,
+) -> torch.Tensor:
+    """Reference for the Triton decode / verify conv (``baton.ops.short_conv.triton.short_conv_update``), same
+    signature, built on ``short_conv``: x [T, D], weight [D, W], conv_state [D, W-1].
+
+    ``out_windows[:T]`` receives the window after every token; ``update_state`` writes the last one into
+    ``conv_state``. ``block_d`` / ``num_warps`` are the kernel's tunables, ignored here. Returns y [T, D].
+    """
+    T = x.shape[0]
+    y, windows = short_conv(x, weight, conv_state)
+    if out_windows is not None:
+        out_windows[:T].copy_(windows)
+    if update_state:
+        conv_state.copy_(windows[-1])
+    if out is not None:
+        return out.copy_(y)
+    return y

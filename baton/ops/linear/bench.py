@@ -1,0 +1,265 @@
+"""Timing of the decode-shape projections on CUDA: the Triton kernels (with and without PDL) against the
+PyTorch reference path (cuBLAS F.linear plus separate norm / add / SwiGLU ops) and a bare F.linear.
+
+Each variant is captured in a CUDA graph that calls it once per weight copy, cycling over enough copies to
+exceed the 60 MB L2 (cold weights, as in a decode step), and the replays are timed with CUDA events; the figure
+per call is the median replay time over the number of calls, so it includes the in-graph launch gap, as a
+decode step pays it. GB/s counts every byte a call must move (weights, x, norm weight, residual, output).
+
+    python -m baton.ops.linear.bench [--m 1 6 16] [--json out.json] [--tune]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from baton.ops.linear import naive
+
+__all__ = ["LING_SHAPES", "SMOL_SHAPES", "BenchShape", "bench_linear", "tune_linear"]
+
+L2_BYTES = 60 * 2**20
+COLD_BYTES = 4 * L2_BYTES  # weight bytes cycled through per graph replay
+
+
+@dataclass(frozen=True)
+class BenchShape:
+    """One projection: weight [n, k] (for SwiGLU n = 2I rows, output I), its fusions and the rows ``m``."""
+
+    name: str
+    n: int
+    k: int
+    norm: bool = False
+    residual: bool = False
+    swiglu: bool = False
+    limit: float = 0.0
+    m: int = 1
+
+    def with_m(self, m: int) -> BenchShape:
+        return BenchShape(self.name, self.n, self.k, self.norm, self.residual, self.swiglu, self.limit, m)
+
+
+# Ling-3.0-flash: d=2560, 32 heads x 128 (KDA, no LoRA), MLA q 32 x 192 + kv_a 576 + gate 32, experts 768 wide.
+LING_SHAPES = [
+    BenchShape("ling.kda_in_proj", 5 * 4096 + 32, 2560, norm=True),
+    BenchShape("ling.mla_in_proj", 6144 + 576 + 32, 2560, norm=True),
+    BenchShape("ling.o_proj", 2560, 4096, residual=True),
+    BenchShape("ling.shared_gate_up", 2 * 768, 2560, swiglu=True, limit=7.0),
+    BenchShape("ling.shared_down", 2560, 768, residual=True),
+    BenchShape("ling.dense_gate_up", 2 * 6144, 2560, norm=True, swiglu=True),
+    BenchShape("ling.dense_down", 2560, 6144, residual=True),
+    BenchShape("ling.router", 512, 2560),
+    BenchShape("ling.lm_head", 157184, 2560, norm=True),
+]
+
+# SmolLM2-135M: d=576, 9 q heads + 3 kv heads of 64, intermediate 1536, vocab 49152.
+SMOL_SHAPES = [
+    BenchShape("smol.qkv", 960, 576, norm=True),
+    BenchShape("smol.o_proj", 576, 576, residual=True),
+    BenchShape("smol.gate_up", 2 * 1536, 576, norm=True, swiglu=True),
+    BenchShape("smol.down", 576, 1536, residual=True),
+    BenchShape("smol.lm_head", 49152, 576, norm=True),
+]
+
+
+def _bytes_moved(s: BenchShape, elt: int) -> int:
+    n_out = s.n // 2 if s.swiglu else s.n
+    total = s.n * s.k + s.m * s.k + s.m * n_out  # weight, x, output
+    total += s.k if s.norm else 0
+    total += s.m * n_out if s.residual else 0
+    return total * elt
+
+
+def _graph_time_us(calls: list[Callable[[], object]], replays: int = 20) -> float:
+    """Median time per call (µs) of a CUDA graph that runs ``calls`` in order."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls[:2]:  # compile / autotune outside capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    del graph
+    return statistics.median(times)
+
+
+def _inputs(s: BenchShape, dtype: torch.dtype, gen: torch.Generator) -> dict:
+    dev = torch.device("cuda")
+    w_bytes = s.n * s.k * torch.finfo(dtype).bits // 8
+    copies = max(2, min(512, math.ceil(COLD_BYTES / w_bytes)))
+    n_out = s.n // 2 if s.swiglu else s.n
+    weights = [(torch.randn(s.n, s.k, device=dev, generator=gen) / s.k**0.5).to(dtype) for _ in range(copies)]
+    return dict(
+        x=torch.randn(s.m, s.k, device=dev, generator=gen).to(dtype),
+        norm_weight=(torch.rand(s.k, device=dev, generator=gen) + 0.5).to(dtype) if s.norm else None,
+        residual=torch.randn(s.m, n_out, device=dev, generator=gen).to(dtype) if s.residual else None,
+        weights=weights,
+    )
+
+
+def _triton_call(s: BenchShape, inp: dict, w: torch.Tensor, config=None, use_pdl: bool = False):
+    from baton.ops.linear import triton as fast
+
+    if s.swiglu:
+        return lambda: fast.linear_swiglu_fwd(inp["x"], w, inp["norm_weight"], 1e-6, s.limit, config, use_pdl)
+    return lambda: fast.linear_fwd(inp["x"], w, inp["norm_weight"], 1e-6, inp["residual"], config, use_pdl)
+
+
+def _reference_call(s: BenchShape, inp: dict, w: torch.Tensor):
+    if s.swiglu:
+        return lambda: naive.linear_swiglu(inp["x"], w, inp["norm_weight"], 1e-6, s.limit)
+    return lambda: naive.linear(inp["x"], w, inp["norm_weight"], 1e-6, inp["residual"])
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def bench_linear(shapes: list[BenchShape], dtype: torch.dtype = torch.bfloat16, ms: tuple[int, ...] = (1, 6, 16),
+                 seed: int = 0) -> list[dict]:
+    """Time every shape at every M in ``ms``; one dict per (shape, M) with µs and GB/s per variant:
+    ``triton`` (no PDL), ``triton_pdl`` (when the GPU has it), ``torch_ref`` (the naive path: F.linear plus
+    separate ops) and ``torch_gemm`` (F.linear alone), plus the Triton-vs-reference relative error."""
+    from baton.ops.linear import triton as fast
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    has_pdl = fast.pdl_enabled(torch.device("cuda"))
+    rows = []
+    for base in shapes:
+        for m in ms:
+            s = base.with_m(m)
+            inp = _inputs(s, dtype, gen)
+            ws = inp["weights"]
+            nbytes = _bytes_moved(s, torch.finfo(dtype).bits // 8)
+            cfg = fast.pick_config(m, s.n // 2 if s.swiglu else s.n, s.k, s.swiglu)
+            row = dict(name=s.name, m=m, n=s.n, k=s.k, norm=s.norm, residual=s.residual, swiglu=s.swiglu,
+                       bytes=nbytes, copies=len(ws), config=cfg.__dict__)
+            row["rel_err"] = _rel_err(_triton_call(s, inp, ws[0], use_pdl=has_pdl)(), _reference_call(s, inp, ws[0])())
+            variants = {"triton": [_triton_call(s, inp, w) for w in ws],
+                        "torch_ref": [_reference_call(s, inp, w) for w in ws],
+                        "torch_gemm": [(lambda w=w, x=inp["x"]: F.linear(x, w)) for w in ws]}
+            if has_pdl:
+                variants["triton_pdl"] = [_triton_call(s, inp, w, use_pdl=True) for w in ws]
+            for name, calls in variants.items():
+                us = _graph_time_us(calls)
+                row[f"{name}_us"] = us
+                row[f"{name}_gbps"] = nbytes / us / 1e3
+            rows.append(row)
+            del inp, ws, variants
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _candidates(m: int, n_out: int, k: int, swiglu: bool) -> list:
+    from baton.ops.linear.triton import LinearConfig
+
+    rows_per_col = 2 if swiglu else 1
+    out = []
+    if m == 1:
+        for bk in (256, 512, 1024):
+            for bn in (2, 4, 8, 16, 32):
+                tile = bn * bk * rows_per_col
+                if 1024 <= tile <= 16384 and bk <= max(256, 2 * k):
+                    for warps in (4, 8) if tile >= 8192 else (4,):
+                        out.append(LinearConfig(bn, bk, 1, warps, 1))
+        return out
+    for bk in (64, 128, 256):
+        for bn in (16, 32, 64):
+            n_blocks = -(-n_out // bn)
+            for split in (1, 2, 4, 8):
+                if split == 1 or (n_blocks * split <= 1024 and bk * split <= k):
+                    out.append(LinearConfig(bn, bk, split, 4, 1))
+    return out
+
+
+def tune_linear(shapes: list[BenchShape], dtype: torch.dtype = torch.bfloat16, ms: tuple[int, ...] = (1, 16),
+                use_pdl: bool | None = None, seed: int = 0) -> list[dict]:
+    """Sweep LinearConfig candidates per (shape, M) and return the best per row with its µs, next to the
+    bucket rule's choice; the winners are meant for ``triton.TUNED``."""
+    from baton.ops.linear import triton as fast
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    pdl = fast.pdl_enabled(torch.device("cuda")) if use_pdl is None else use_pdl
+    rows = []
+    for base in shapes:
+        for m in ms:
+            s = base.with_m(m)
+            n_out = s.n // 2 if s.swiglu else s.n
+            inp = _inputs(s, dtype, gen)
+            ws = inp["weights"]
+            nbytes = _bytes_moved(s, torch.finfo(dtype).bits // 8)
+            default = fast.pick_config(m, n_out, s.k, s.swiglu)
+            ref = _reference_call(s, inp, ws[0])()
+            results = []
+            for cfg in dict.fromkeys([default, *_candidates(m, n_out, s.k, s.swiglu)]):
+                try:
+                    if _rel_err(_triton_call(s, inp, ws[0], cfg, pdl)(), ref) > 2e-2:
+                        continue
+                    us = _graph_time_us([_triton_call(s, inp, w, cfg, pdl) for w in ws], replays=10)
+                except Exception:  # a candidate that does not compile (resources) is skipped
+                    continue
+                results.append((us, cfg))
+            results.sort(key=lambda r: r[0])
+            default_us = next((us for us, c in results if c == default), float("nan"))
+            best_us, best = results[0]
+            rows.append(dict(name=s.name, m=m, n_out=n_out, k=s.k, swiglu=s.swiglu, best=best.__dict__,
+                             best_us=best_us, best_gbps=nbytes / best_us / 1e3, default=default.__dict__,
+                             default_us=default_us, top=[(us, c.__dict__) for us, c in results[:5]]))
+            del inp, ws
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _print_table(rows: list[dict]) -> None:
+    keys = [k[:-3] for k in rows[0] if k.endswith("_us")]
+    print(f"{'shape':24s} {'M':>3s} " + " ".join(f"{k + ' us':>14s} {'GB/s':>6s}" for k in keys) + "  rel_err")
+    for r in rows:
+        cells = " ".join(f"{r[k + '_us']:14.2f} {r[k + '_gbps']:6.0f}" for k in keys)
+        print(f"{r['name']:24s} {r['m']:3d} {cells}  {r['rel_err']:.1e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 6, 16])
+    ap.add_argument("--only", default="", help="substring filter on shape names")
+    ap.add_argument("--json", default="", help="write the rows here")
+    ap.add_argument("--tune", action="store_true", help="sweep configs instead of timing variants")
+    args = ap.parse_args()
+    shapes = [s for s in LING_SHAPES + SMOL_SHAPES if args.only in s.name]
+    if args.tune:
+        rows = tune_linear(shapes, ms=tuple(args.m))
+        for r in rows:
+            print(f"{r['name']:24s} M={r['m']:2d} best {r['best_us']:8.2f} us {r['best_gbps']:6.0f} GB/s "
+                  f"{r['best']}  default {r['default_us']:8.2f} us")
+    else:
+        rows = bench_linear(shapes, ms=tuple(args.m))
+        _print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print(json.dumps({"rows": len(rows)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Cold-weight timing of the decode MoE at the Ling-3.0-flash shapes (E=512, d=2560, I=768, top-8, bf16).
+
+``python -m baton.ops.moe.bench [--tokens 1 6 16] [--layers 4] [--sweep] [--json out.jsonl]``
+
+Weights: ``--layers`` independent expert sets (6.04 GB each: 512 x 11.8 MB), cycled call after call, so every call
+reads weights that the previous calls (>= 94 MB of distinct experts each) have flushed from the 50 MB L2, as in the
+model. Each measurement captures ``layers x cycles`` calls into one CUDA graph and replays it, so launch overhead is
+that of graph replay (what decode pays); the host-syncing reference ``fused_experts`` runs eagerly.
+
+Routes: ``uniform`` draws every token's 8 experts independently (the worst case: T tokens touch ~8T experts);
+``correlated`` keeps each of the previous token's experts with probability 0.6 (verify chains share experts).
+
+Reported per (T, routes, method): µs per call, distinct experts touched (mean over layers), GB/s against the bytes of
+the distinct experts (11.8 MB each: what an ideal kernel must read) and that as a fraction of the 4.8 TB/s datasheet.
+Methods: ``triton-direct|aligned|hybrid`` (``fused_experts_decode``; with PDL unless ``--no-pdl``), ``triton-direct-up``
+(the up-projection alone, to split the direct time), ``torch-gather`` (``fused_experts_dense_gather``, the graph-safe
+fallback), ``torch-ref`` (``fused_experts``, eager with its host sync) and the router (``router-triton`` vs
+``router-torch`` on [T, 512] logits). ``--sweep`` tries tile variants for each mode (up tiles first, then down tiles,
+coordinate descent) and prints the best config per T.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+from collections.abc import Callable, Sequence
+
+import torch
+
+E, D, INTER, TOPK, N_GROUP, TOPK_GROUP = 512, 2560, 768, 8, 8, 4
+EXPERT_BYTES = 3 * INTER * D * 2  # w13 + w2 of one expert, bf16: 11.8 MB
+PEAK_GBS = 4800.0
+
+
+def _routes(num_tokens: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """[T, k] int32 ids, distinct within each token."""
+    rows: list[list[int]] = []
+    for t in range(num_tokens):
+        keep = []
+        if kind == "correlated" and t > 0:
+            keep = [e for e in rows[-1] if torch.rand((), generator=gen).item() < 0.6]
+        row = list(keep)
+        while len(row) < TOPK:
+            e = int(torch.randint(0, E, (), generator=gen))
+            if e not in row:
+                row.append(e)
+        perm = torch.randperm(TOPK, generator=gen).tolist()
+        rows.append([row[i] for i in perm])
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def _time_graph(calls: Sequence[Callable[[], object]], replays: int = 20) -> float:
+    """Capture all ``calls`` into one CUDA graph; µs per call over ``replays`` replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:  # warm-up / compile outside capture
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    us = start.elapsed_time(end) * 1e3 / (replays * len(calls))
+    del graph
+    return us
+
+
+def _time_eager(calls: Sequence[Callable[[], object]], reps: int = 3) -> float:
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        for fn in calls:
+            fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * len(calls))
+
+
+def _tile_variants(mode: str) -> tuple[list, list]:
+    from baton.ops.moe.triton import MoETile
+
+    if mode == "direct":
+        up = [MoETile(bn, bk, w, s) for bn, bk, w, s in [(8, 256, 4, 4), (16, 128, 4, 4), (16, 256, 4, 3),
+                                                           (16, 256, 4, 4), (16, 512, 8, 3), (32, 256, 4, 3),
+                                                           (32, 128, 4, 4)]]
+        down = [MoETile(bn, bk, w, s) for bn, bk, w, s in [(8, 256, 4, 4), (8, 128, 4, 6), (16, 128, 4, 4),
+                                                             (16, 256, 4, 3), (16, 256, 4, 4), (32, 256, 4, 3),
+                                                             (32, 128, 4, 4)]]
+    else:
+        up = [MoETile(bn, bk, w, s) for bn, bk, w, s in [(16, 128, 4, 4), (32, 64, 4, 6), (32, 128, 4, 3),
+                                                           (32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3),
+                                                           (32, 256, 4, 3)]]
+        down = [MoETile(bn, bk, w, s) for bn, bk, w, s in [(16, 128, 4, 4), (32, 64, 4, 6), (32, 128, 4, 3),
+                                                             (32, 128, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3),
+                                                             (32, 256, 4, 3)]]
+    return up, down
+
+
+def bench_moe(tokens: Sequence[int] = (1, 6, 16), layers: int = 4, cycles: int = 2, route_kinds: Sequence[str] = (
+        "uniform", "correlated"), modes: Sequence[str] = ("direct", "aligned", "hybrid"), pdl: bool = True,
+        sweep: bool = False, torch_baselines: bool = True, seed: int = 0) -> list[dict]:
+    """Time the decode MoE on CUDA with cold weights; returns one dict per measurement (also printed)."""
+    import baton.ops.moe.triton as mt
+    from baton.ops.moe.naive import fused_experts, fused_experts_dense_gather, grouped_topk
+
+    assert torch.cuda.is_available(), "bench_moe needs CUDA"
+    dev = torch.device("cuda")
+    if not pdl:
+        mt.pdl_enabled = lambda device: False  # type: ignore[assignment]
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    # [layers] x (w13 [E, 2I, d], w2 [E, d, I]) bf16: 6.04 GB per layer
+    weights = []
+    for _ in range(layers):
+        w13 = torch.empty(E, 2 * INTER, D, device=dev, dtype=torch.bfloat16).normal_(0, D**-0.5)
+        w2 = torch.empty(E, D, INTER, device=dev, dtype=torch.bfloat16).normal_(0, INTER**-0.5)
+        weights.append((w13, w2))
+    print(f"# {layers} layers of experts: {layers * E * EXPERT_BYTES / 1e9:.1f} GB, pdl={pdl and mt.pdl_enabled(dev)}")
+    results: list[dict] = []
+
+    def record(num_tokens: int, kind: str, distinct: float, method: str, us: float, extra: dict | None = None,
+               bytes_per_expert: int = EXPERT_BYTES):
+        gbs = distinct * bytes_per_expert / (us * 1e-6) / 1e9
+        row = dict(T=num_tokens, routes=kind, distinct=round(distinct, 1), method=method, us=round(us, 2),
+                   gbs=round(gbs, 1), frac_peak=round(gbs / PEAK_GBS, 3), **(extra or {}))
+        results.append(row)
+        print(f"T={num_tokens:<3} {kind:<10} distinct={distinct:6.1f} {method:<22} {us:9.2f} us "
+              f"{gbs:8.1f} GB/s ({100 * gbs / PEAK_GBS:5.1f}% of 4.8 TB/s)" + (f" {extra}" if extra else ""))
+        return row
+
+    for num_tokens in tokens:
+        x = torch.randn(num_tokens, D, device=dev, dtype=torch.bfloat16)
+        res = torch.randn_like(x)
+        shared = torch.randn_like(x)
+        logits = torch.randn(num_tokens, E, device=dev) * 2
+        bias = torch.randn(E, device=dev) * 0.05
+        # router (hot: it is tiny)
+        router = functools.partial(mt.grouped_topk_fused, logits, bias, TOPK, N_GROUP, TOPK_GROUP, True, 2.5)
+        record(num_tokens, "-", 0.0, "router-triton", _time_graph([router] * 8))
+        router = functools.partial(_torch_router, grouped_topk, logits, bias)
+        record(num_tokens, "-", 0.0, "router-torch", _time_graph([router] * 8))
+        for kind in route_kinds if num_tokens > 1 else route_kinds[:1]:
+            ids = [_routes(num_tokens, kind, gen).to(dev) for _ in range(layers)]
+            tw = [torch.rand(num_tokens, TOPK, device=dev) / 4 + 0.1 for _ in range(layers)]
+            distinct = sum(len(set(i.flatten().tolist())) for i in ids) / layers
+            per_layer = [(x, *weights[i], ids[i], tw[i]) for i in range(layers)]
+
+            def calls_for(fn: Callable[..., object], per_layer=per_layer, **kw) -> list[Callable[[], object]]:
+                return [functools.partial(fn, *per_layer[i], **kw) for _ in range(cycles) for i in range(layers)]
+
+            ref = fused_experts(*per_layer[0], 4.0) + shared.float() + res.float()
+            for mode in modes:
+                run = functools.partial(_decode, mt, residual=res, shared_out=shared, mode=mode)
+                err = (run(*per_layer[0]).float() - ref).abs().max().item()
+                record(num_tokens, kind, distinct, f"triton-{mode}", _time_graph(calls_for(run)),
+                       {"max_err": round(err, 4)})
+                if mode == "direct":
+                    up = functools.partial(_up_direct, mt, mt.get_config(num_tokens, "direct").up, mt.pdl_enabled(dev))
+                    record(num_tokens, kind, distinct, "triton-direct-up", _time_graph(calls_for(up)),
+                           bytes_per_expert=2 * INTER * D * 2)  # GB/s against the w13 bytes only
+                if sweep:
+                    best = _sweep(mt, mode, num_tokens, calls_for, run)
+                    record(num_tokens, kind, distinct, f"triton-{mode}-best", best[0], {"config": repr(best[1])})
+            if torch_baselines:
+                gather = calls_for(fused_experts_dense_gather, swiglu_limit=4.0)
+                record(num_tokens, kind, distinct, "torch-gather", _time_graph(gather[:layers], replays=5))
+                eager = calls_for(fused_experts, swiglu_limit=4.0)
+                record(num_tokens, kind, distinct, "torch-ref", _time_eager(eager[:layers]))
+    return results
+
+
+def _torch_router(grouped_topk, logits: torch.Tensor, bias: torch.Tensor):
+    return grouped_topk(torch.sigmoid(logits), bias, TOPK, N_GROUP, TOPK_GROUP, True, 2.5)
+
+
+def _decode(mt, x, w13, w2, ids, tw, **kw):
+    return mt.fused_experts_decode(x, w13, w2, ids, tw, 4.0, **kw)
+
+
+def _up_direct(mt, tile, pdl: bool, x, w13, w2, ids, tw):
+    return mt.moe_up_direct_fwd(x, w13, ids.view(-1), TOPK, 4.0, tile, pdl)
+
+
+def _sweep(mt, mode: str, num_tokens: int, calls_for, run) -> tuple[float, object]:
+    """Coordinate descent: best up tile with the default down tile, then the best down tile."""
+    base = mt.get_config(num_tokens, "direct" if mode == "direct" else "aligned")
+    if mode == "hybrid":
+        base = dataclasses.replace(base, down=mt.get_config(num_tokens, "direct").down)
+    up_tiles, down_tiles = _tile_variants("direct" if mode == "direct" else "aligned")
+    if mode == "hybrid":
+        down_tiles = _tile_variants("direct")[1]
+    best_us, best_cfg = float("inf"), base
+    for up in up_tiles:
+        cfg = dataclasses.replace(base, up=up)
+        us = _time_graph(calls_for(run, config=cfg))
+        if us < best_us:
+            best_us, best_cfg = us, cfg
+    for down in down_tiles:
+        cfg = dataclasses.replace(best_cfg, down=down)
+        us = _time_graph(calls_for(run, config=cfg))
+        if us < best_us:
+            best_us, best_cfg = us, cfg
+    return best_us, best_cfg
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 6, 16])
+    ap.add_argument("--layers", type=int, default=4, help="expert sets cycled (6.04 GB each)")
+    ap.add_argument("--cycles", type=int, default=2)
+    ap.add_argument("--modes", nargs="+", default=["direct", "aligned", "hybrid"])
+    ap.add_argument("--routes", nargs="+", default=["uniform", "correlated"])
+    ap.add_argument("--no-pdl", action="store_true")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
+    ap.add_argument("--json", default=None, help="write one JSON line per measurement")
+    args = ap.parse_args(argv)
+    rows = bench_moe(args.tokens, args.layers, args.cycles, args.routes, args.modes, not args.no_pdl, args.sweep,
+                     not args.no_torch)
+    if args.json:
+        with open(args.json, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

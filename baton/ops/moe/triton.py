@@ -1,0 +1,691 @@
+"""Triton MoE for batch-1 decode and short verify chains (T = 1..16 tokens, top-k = 8 of 512 experts).
+
+Everything is built on the GPU from ``topk_ids``: no ``.item()`` / ``.tolist()``, so every launcher here is safe
+inside CUDA-graph capture.
+
+Kernels:
+
+* ``grouped_topk_kernel``: the Ling / DeepSeek-V3 "noaux_tc" router on logits ``[T, E]``: sigmoid, ``+ expert_bias``
+  for selection only, group score = sum of the top-2 biased scores of each group, keep ``topk_group`` groups, top-k
+  experts among them, weights from the unbiased sigmoid, renormalise, ``x scaling``. One program per token; the
+  logits are loaded as ``[groups, experts_per_group]`` so every step is a register reduction. The router GEMV stays
+  in cuBLAS (folding a 2.6 MB GEMV into a T-program kernel would collapse its parallelism).
+  Tie-break: among equal (biased) scores the lowest group / expert index wins; ``torch.topk`` leaves ties unspecified,
+  so exact ties may select differently from the reference. Output ids are in selection order (best first).
+* Direct work list (``mode="direct"``): pair ``p = t * k + j`` is simply the flat index into ``topk_ids``.
+  ``moe_up_direct_kernel``: program = (N-block of I, pair): a GEMV of ``w13[e]``'s gate and up rows against
+  ``x[t]`` with SwiGLU (+ post-SiLU clamp) in the epilogue, writing ``act [T*k, I]`` fp32.
+  ``moe_down_direct_kernel``: program = (N-block of d, token): one flattened loop over the token's k experts x
+  K-blocks of I reading ``w2[e]`` tiles, the routing weight folded into the activation, the combine accumulated in
+  fp32 in a fixed order (deterministic, no atomics), then ``+ shared_out + residual`` and one cast to x's dtype.
+* Aligned work list (``mode="aligned"``, the seed's pair-axis alignment): ``moe_align_kernel`` (one program) compares
+  all ``[NP, NP]`` (token, expert) pairs to give each pair its stable rank in its expert bucket and each bucket its
+  population and block offset; it emits ``sorted_pairs`` (pairs grouped by expert, stable in pair index) and, per
+  block of up to ``BLOCK_M`` same-expert pairs, ``(expert, start, count)`` plus the block count. Nothing scales with
+  E. ``moe_up_aligned_kernel`` / ``moe_down_aligned_kernel``: program = (N-block, expert block): ``tl.dot`` over up
+  to ``BLOCK_M`` rows so each expert's weights are read once however many tokens picked it; the down stage writes
+  weighted per-pair rows ``y [T*k, d]`` fp32 and ``moe_combine_kernel`` sums each token's k rows in fixed order
+  (+ shared + residual). For more than ``MAX_ALIGN_PAIRS`` pairs (prefill) the alignment is done with torch sort /
+  scatter ops on the device instead (still no host sync).
+* ``mode="hybrid"``: aligned up-projection (w13 is 2/3 of each expert's bytes) + the direct per-token down-projection
+  (no ``y`` buffer, no combine launch; w2 of a shared expert is read once per token that picked it).
+
+Measured on the H200 (see the config table): T = 1 direct wins (28 us, 70% of 4.8 TB/s over the 8 experts' bytes);
+for T = 6..16 aligned wins clearly once routes overlap between tokens (T=16 correlated: 153 us vs 272-288 direct)
+and is within 5-10% of the best with independent uniform routes, so ``default_mode`` picks direct for T < 3 and
+aligned from T = 3.
+
+PDL (``use_pdl()``, compute capability >= 9, never in the interpreter): every kernel calls ``gdc_wait`` before its
+first load of data written by an earlier kernel and ``gdc_launch_dependents`` right after that wait. Because each
+producer triggers only after its own wait, data written two launches back (the router's ``topk_ids`` /
+``topk_weights``, the alignment metadata) is complete when a consumer starts, so the down kernels read it before
+their wait and only the activations are behind it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from baton import env
+
+# More (token, expert) pairs than this are aligned with torch ops instead of the one-program pairwise kernel, whose
+# [NP, NP] tensors would spill out of registers.
+MAX_ALIGN_PAIRS = 128
+# Default mode: direct below this many tokens, aligned from it on.
+ALIGNED_MIN_TOKENS = 3
+
+_POISON_INT = 1 << 30
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Allocation hook for every output / intermediate buffer (tests monkeypatch it to poison the memory)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """PDL on this device: ``BATON_PDL``, CUDA with compute capability >= 9, not the interpreter."""
+    if device.type != "cuda" or _interpreting() or not env.use_pdl():
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+def _launch_kw(pdl: bool, num_warps: int, num_stages: int | None = None) -> dict:
+    kw: dict = {"USE_PDL": pdl, "num_warps": num_warps}
+    if num_stages is not None:
+        kw["num_stages"] = num_stages
+    if pdl:
+        kw["launch_pdl"] = True
+    return kw
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Config table
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoETile:
+    """Tile of one projection: BLOCK_N output columns, BLOCK_K reduction step, warps and pipeline stages."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    up: MoETile  # w13 [E, 2I, d]: N over I (gate and up rows together), K over d
+    down: MoETile  # w2 [E, d, I]: N over d, K over I
+    block_m: int = 16  # aligned mode: rows (same-expert pairs) per program; >= 16 for tl.dot
+    combine: MoETile = MoETile(256, 1, 4, 1)  # aligned mode: combine kernel (block_n only)
+
+
+# Keyed by the largest token count T the entry serves (first key >= T wins; past the end the last entry).
+# H200, Ling-3.0-flash shapes (d=2560, I=768, bf16), cold weights, CUDA graph, PDL on (bench_moe, 2026-11-29):
+#   T=1:  direct 28.2 us (3.34 TB/s over the 8 experts' 94 MB; up alone 20.0 us = 3.15 TB/s), aligned 30.9 us (best
+#         tiles), hybrid 32.0 us; torch router 42 us vs router kernel 5.2 us.
+#   T=6:  uniform routes (46 distinct experts): direct 130.8 us (4.15 TB/s), hybrid 131.9, aligned 143.7;
+#         correlated (22.5 distinct): aligned 79.3 us, hybrid 85.7, direct 111.1.
+#   T=16: uniform (112 distinct): hybrid 318.8 us, aligned 333.4, direct 334.7;
+#         correlated (50-54 distinct): aligned 152.6 us with the tiles below (3.9 TB/s), direct 272-288.
+# The T=1 direct entry and the T=16 entries are the sweep's winners (bench_moe(sweep=True)); the others are
+# interpolated starting points.
+DIRECT_CONFIGS: dict[int, MoEConfig] = {
+    # T=1: up grid 48 x 8 = 384 programs (164 KB each); down grid 160 x 1 (8 experts x 16 rows x 768 = 196 KB each)
+    1: MoEConfig(up=MoETile(16, 256, 4, 4), down=MoETile(16, 256, 4, 4)),
+    2: MoEConfig(up=MoETile(16, 256, 4, 4), down=MoETile(16, 256, 4, 4)),
+    4: MoEConfig(up=MoETile(16, 256, 4, 4), down=MoETile(16, 256, 4, 4)),
+    8: MoEConfig(up=MoETile(32, 128, 4, 4), down=MoETile(16, 256, 4, 4)),
+    16: MoEConfig(up=MoETile(32, 128, 4, 4), down=MoETile(16, 256, 4, 4)),
+}
+ALIGNED_CONFIGS: dict[int, MoEConfig] = {
+    4: MoEConfig(up=MoETile(32, 128, 4, 4), down=MoETile(64, 128, 4, 3), block_m=16),
+    16: MoEConfig(up=MoETile(32, 256, 4, 3), down=MoETile(64, 128, 4, 3), block_m=16),
+    # prefill-ish shapes (torch alignment): bigger row blocks (not tuned)
+    1 << 30: MoEConfig(up=MoETile(64, 64, 4, 3), down=MoETile(64, 64, 4, 3), block_m=64),
+}
+
+
+def get_config(num_tokens: int, mode: str) -> MoEConfig:
+    table = DIRECT_CONFIGS if mode == "direct" else ALIGNED_CONFIGS
+    for key in sorted(table):
+        if num_tokens <= key:
+            return table[key]
+    return table[max(table)]
+
+
+def default_mode(num_tokens: int) -> str:
+    return "direct" if num_tokens < ALIGNED_MIN_TOKENS else "aligned"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Router
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def grouped_topk_kernel(
+    logits_ptr, bias_ptr, ids_ptr, weights_ptr,  # [T, E], [E], [T, TOPK] int32, [T, TOPK] fp32
+    stride_lt, scaling,
+    N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
+    TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    t = tl.program_id(0)
+    g = tl.arange(0, BLOCK_G)
+    j = tl.arange(0, BLOCK_EG)
+    valid = (g[:, None] < N_GROUP) & (j[None, :] < GROUP_SIZE)
+    flat = g[:, None] * GROUP_SIZE + j[None, :]  # [BLOCK_G, BLOCK_EG] expert index
+    if HAS_BIAS:  # a weight: may be read before the producer finishes
+        bias = tl.load(bias_ptr + flat, mask=valid, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    logit = tl.load(logits_ptr + t * stride_lt + flat, mask=valid, other=0.0).to(tl.float32)
+    score = 1.0 / (1.0 + tl.exp(-logit))
+    choice = score
+    if HAS_BIAS:
+        choice = score + bias
+    neg_inf = float("-inf")
+    choice = tl.where(valid, choice, neg_inf)
+    if N_GROUP > 1:
+        m1 = tl.max(choice, axis=1)  # [BLOCK_G]
+        if GROUP_SIZE > 1:
+            first = tl.min(tl.where(choice == m1[:, None], j[None, :], BLOCK_EG), axis=1)
+            m2 = tl.max(tl.where(j[None, :] == first[:, None], neg_inf, choice), axis=1)
+            gscore = m1 + m2
+        else:
+            gscore = m1
+        gscore = tl.where(g < N_GROUP, gscore, neg_inf)
+        keep = g < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            best = tl.max(gscore, axis=0)
+            pick = tl.min(tl.where(gscore == best, g, BLOCK_G), axis=0)  # lowest group index among ties
+            keep = keep | (g == pick)
+            gscore = tl.where(g == pick, neg_inf, gscore)
+        choice = tl.where(keep[:, None], choice, neg_inf)
+    kk = tl.arange(0, BLOCK_TOPK)
+    out_ids = tl.zeros([BLOCK_TOPK], dtype=tl.int32)
+    out_w = tl.zeros([BLOCK_TOPK], dtype=tl.float32)
+    big = N_GROUP * GROUP_SIZE
+    for i in tl.static_range(TOPK):
+        best = tl.max(tl.max(choice, axis=1), axis=0)
+        sel = tl.min(tl.min(tl.where(choice == best, flat, big), axis=1), axis=0)  # lowest expert index among ties
+        w = tl.sum(tl.sum(tl.where(flat == sel, score, 0.0), axis=1), axis=0)
+        out_ids = tl.where(kk == i, sel, out_ids)
+        out_w = tl.where(kk == i, w, out_w)
+        choice = tl.where(flat == sel, neg_inf, choice)
+    if RENORM:
+        out_w = out_w / (tl.sum(out_w, axis=0) + 1e-20)
+    out_w = out_w * scaling
+    mk = kk < TOPK
+    tl.store(ids_ptr + t * TOPK + kk, out_ids, mask=mk)
+    tl.store(weights_ptr + t * TOPK + kk, out_w, mask=mk)
+
+
+def grouped_topk_fwd(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, n_group: int,
+                     topk_group: int, renormalize: bool, scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (pre-sigmoid, any float dtype). Returns (topk_ids [T, k] int32, topk_weights [T, k] fp32)."""
+    num_tokens, num_experts = logits.shape
+    n_group = max(n_group, 1)
+    assert num_experts % n_group == 0 and 1 <= topk_group <= n_group and 1 <= top_k <= num_experts
+    logits = logits.contiguous()
+    group_size = num_experts // n_group
+    ids = _empty((num_tokens, top_k), torch.int32, logits.device)
+    weights = _empty((num_tokens, top_k), torch.float32, logits.device)
+    if num_tokens == 0:
+        return ids, weights
+    bias = expert_bias.contiguous() if expert_bias is not None else logits
+    block_g, block_eg = triton.next_power_of_2(n_group), triton.next_power_of_2(group_size)
+    grouped_topk_kernel[(num_tokens,)](
+        logits, bias, ids, weights, logits.stride(0), float(scaling_factor),
+        N_GROUP=n_group, GROUP_SIZE=group_size, BLOCK_G=block_g, BLOCK_EG=block_eg,
+        TOPK_GROUP=topk_group if n_group > 1 else 1, TOPK=top_k, BLOCK_TOPK=triton.next_power_of_2(top_k),
+        HAS_BIAS=expert_bias is not None, RENORM=bool(renormalize) and top_k > 1,
+        **_launch_kw(pdl_enabled(logits.device), 4 if num_experts <= 1024 else 8),
+    )
+    return ids, weights
+
+
+def grouped_topk_fused(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, n_group: int,
+                       topk_group: int, renormalize: bool, scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid + group-limited top-k on router logits; the selection of ``naive.grouped_topk(sigmoid(logits))``."""
+    return grouped_topk_fwd(logits, expert_bias, top_k, n_group, topk_group, renormalize, scaling_factor)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Direct (per-pair / per-token) experts
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
+    a = g / (1.0 + tl.exp(-g))
+    if HAS_LIMIT:
+        a = tl.minimum(a, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    return a * u
+
+
+@triton.jit
+def moe_up_direct_kernel(
+    x_ptr, w13_ptr, ids_ptr, act_ptr,  # x [T, HIDDEN], w13 [E, 2I, HIDDEN], ids [T*TOPK], act [T*TOPK, INTER] fp32
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, stride_xt, stride_we, stride_wn, stride_at, limit,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pair = tl.program_id(1)
+    tok = pair // TOPK
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    wg_ptrs = w13_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    wu_ptrs = wg_ptrs + INTER * stride_wn
+    x_ptrs = x_ptr + tok * stride_xt + offs_k
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):  # explicit: GEMV loads are not dot operands
+        mk = (k0 + offs_k) < HIDDEN
+        xk = tl.load(x_ptrs + k0, mask=mk, other=0.0).to(tl.float32)
+        m = mask_n[:, None] & mk[None, :]
+        wg = tl.load(wg_ptrs + k0, mask=m, other=0.0)
+        wu = tl.load(wu_ptrs + k0, mask=m, other=0.0)
+        acc_g += wg.to(tl.float32) * xk[None, :]
+        acc_u += wu.to(tl.float32) * xk[None, :]
+    act = _swiglu(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), limit, HAS_LIMIT)
+    tl.store(act_ptr + pair * stride_at + offs_n, act, mask=mask_n)
+
+
+@triton.jit
+def moe_down_direct_kernel(
+    act_ptr, w2_ptr, ids_ptr, tw_ptr, shared_ptr, res_ptr, out_ptr,  # act [T*TOPK, INTER], w2 [E, HIDDEN, INTER]
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, stride_at, stride_we, stride_wn, stride_st, stride_rt, stride_ot,
+    TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    tok = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < HIDDEN
+    offs_k = tl.arange(0, BLOCK_K)
+    jj = tl.arange(0, BLOCK_TOPK)
+    mj = jj < TOPK
+    # Router outputs: written two launches back, complete once the up kernel (which triggers after its own wait)
+    # let this grid start; only the activations are behind the wait.
+    ids = tl.load(ids_ptr + tok * TOPK + jj, mask=mj, other=0).to(tl.int64)
+    tw = tl.load(tw_ptr + tok * TOPK + jj, mask=mj, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    w_rows = offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    num_k: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for it in tl.range(0, TOPK * num_k, num_stages=NUM_STAGES):  # experts x K-blocks: the pipeline spans experts
+        j = it // num_k
+        k0 = (it - j * num_k) * BLOCK_K
+        e = tl.sum(tl.where(jj == j, ids, 0), axis=0)
+        rw = tl.sum(tl.where(jj == j, tw, 0.0), axis=0)
+        mk = (k0 + offs_k) < INTER
+        a = tl.load(act_ptr + (tok * TOPK + j) * stride_at + k0 + offs_k, mask=mk, other=0.0).to(tl.float32)
+        w = tl.load(w2_ptr + e * stride_we + w_rows + k0, mask=mask_n[:, None] & mk[None, :], other=0.0)
+        acc += w.to(tl.float32) * (a * rw)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_SHARED:
+        y += tl.load(shared_ptr + tok * stride_st + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if HAS_RES:
+        y += tl.load(res_ptr + tok * stride_rt + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tok * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def moe_up_direct_fwd(x: torch.Tensor, w13: torch.Tensor, flat_ids: torch.Tensor, top_k: int, swiglu_limit: float,
+                      tile: MoETile, pdl: bool) -> torch.Tensor:
+    """x [T, d], w13 [E, 2I, d], flat_ids [T*k] -> act [T*k, I] fp32."""
+    num_pairs, inter, hidden = flat_ids.numel(), w13.shape[1] // 2, w13.shape[2]
+    act = _empty((num_pairs, inter), torch.float32, x.device)
+    grid = (triton.cdiv(inter, tile.block_n), num_pairs)
+    moe_up_direct_kernel[grid](
+        x, w13, flat_ids, act, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        float(swiglu_limit), TOPK=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
+        HAS_LIMIT=swiglu_limit > 0,
+        **_launch_kw(pdl, tile.num_warps, tile.num_stages),
+    )
+    return act
+
+
+def moe_down_direct_fwd(act: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        shared_out: torch.Tensor | None, residual: torch.Tensor | None, out: torch.Tensor,
+                        tile: MoETile, pdl: bool) -> torch.Tensor:
+    """act [T*k, I], w2 [E, d, I], topk_ids / topk_weights [T, k] -> out [T, d] = sum_k w act @ w2[e].T (+ ...)."""
+    num_tokens, top_k = topk_ids.shape
+    hidden, inter = w2.shape[1], w2.shape[2]
+    shared = shared_out if shared_out is not None else out
+    res = residual if residual is not None else out
+    grid = (triton.cdiv(hidden, tile.block_n), num_tokens)
+    moe_down_direct_kernel[grid](
+        act, w2, topk_ids, topk_weights, shared, res, out, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
+        shared.stride(0), res.stride(0), out.stride(0),
+        TOPK=top_k, BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        NUM_STAGES=tile.num_stages, HAS_SHARED=shared_out is not None, HAS_RES=residual is not None,
+        **_launch_kw(pdl, tile.num_warps, tile.num_stages),
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Pair-axis alignment
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AlignedPairs:
+    """(token, expert) pairs grouped by expert. ``sorted_pairs [M]`` int32 (flat pair indices, stable within an
+    expert); per block ``b < num_blocks``: ``block_expert``, ``block_start`` (into sorted_pairs), ``block_count``
+    (1..BLOCK_M), all ``[max_blocks]`` int32 and valid only below ``num_blocks [1]`` (the tail is never written)."""
+
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    block_start: torch.Tensor
+    block_count: torch.Tensor
+    num_blocks: torch.Tensor
+    max_blocks: int
+    block_m: int
+
+
+def max_aligned_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on sum_e ceil(n_e / BLOCK_M): at most M // BLOCK_M full blocks plus one partial per distinct
+    expert, and never more than M."""
+    return max(1, min(num_pairs, num_pairs // block_m + min(num_pairs, num_experts)))
+
+
+@triton.jit
+def moe_align_kernel(
+    ids_ptr, sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_count_ptr, num_blocks_ptr,
+    M, BLOCK_M: tl.constexpr, NP: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    p = tl.arange(0, NP)
+    valid = p < M
+    eid = tl.load(ids_ptr + p, mask=valid, other=1 << 30).to(tl.int32)  # padding sorts last, matches nothing real
+    same = eid[:, None] == eid[None, :]  # [NP (p), NP (q)]
+    lower = eid[None, :] < eid[:, None]  # q's expert sorts before p's
+    rank = tl.sum((same & (p[None, :] < p[:, None])).to(tl.int32), axis=1)  # stable rank of p in its bucket
+    count = tl.sum(same.to(tl.int32), axis=1)  # bucket population
+    n_lower = tl.sum(lower.to(tl.int32), axis=1)
+    pos = n_lower + rank  # stable sorted position
+    nblk = tl.where(valid & (rank == 0), (count + BLOCK_M - 1) // BLOCK_M, 0)  # bucket's blocks, on its rank-0 pair
+    blocks_before = tl.sum(tl.where(lower, nblk[None, :], 0), axis=1)
+    tl.store(sorted_pairs_ptr + pos, p, mask=valid)
+    leader = valid & (rank % BLOCK_M == 0)
+    bidx = blocks_before + rank // BLOCK_M
+    tl.store(block_expert_ptr + bidx, eid, mask=leader)
+    tl.store(block_start_ptr + bidx, pos, mask=leader)
+    tl.store(block_count_ptr + bidx, tl.minimum(count - rank, BLOCK_M), mask=leader)
+    tl.store(num_blocks_ptr, tl.sum(nblk, axis=0))
+
+
+def _align_buffers(num_pairs: int, max_blocks: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    return (_empty((num_pairs,), torch.int32, device), _empty((max_blocks,), torch.int32, device),
+            _empty((max_blocks,), torch.int32, device), _empty((max_blocks,), torch.int32, device),
+            _empty((1,), torch.int32, device))
+
+
+def moe_align_fwd(flat_ids: torch.Tensor, num_experts: int, block_m: int, pdl: bool) -> AlignedPairs:
+    """One-program pair-axis alignment for M <= MAX_ALIGN_PAIRS pairs (O(M^2) comparisons in registers)."""
+    num_pairs = flat_ids.numel()
+    max_blocks = max_aligned_blocks(num_pairs, num_experts, block_m)
+    bufs = _align_buffers(num_pairs, max_blocks, flat_ids.device)
+    np2 = max(16, triton.next_power_of_2(num_pairs))
+    moe_align_kernel[(1,)](flat_ids, *bufs, num_pairs, BLOCK_M=block_m, NP=np2,
+                           **_launch_kw(pdl, 4 if np2 <= 64 else 8))
+    return AlignedPairs(*bufs, max_blocks=max_blocks, block_m=block_m)
+
+
+def moe_align_torch(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> AlignedPairs:
+    """The same alignment with device-side torch ops (sort, scatter, cumsum): any M, no host sync."""
+    num_pairs, device = flat_ids.numel(), flat_ids.device
+    max_blocks = max_aligned_blocks(num_pairs, num_experts, block_m)
+    sorted_pairs, block_expert, block_start, block_count, num_blocks = _align_buffers(num_pairs, max_blocks, device)
+    sorted_e, order = torch.sort(flat_ids.long(), stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    counts.scatter_add_(0, sorted_e, torch.ones_like(sorted_e))
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.arange(num_pairs, device=device)
+    rank = pos - starts[sorted_e]
+    nblk = (counts + block_m - 1) // block_m
+    blk_off = torch.cumsum(nblk, 0) - nblk
+    leader = rank % block_m == 0
+    dst = torch.where(leader, blk_off[sorted_e] + rank // block_m, max_blocks)  # non-leaders go to a dump slot
+    scratch = torch.empty(3, max_blocks + 1, dtype=torch.int32, device=device)
+    scratch[0].scatter_(0, dst, sorted_e.int())
+    scratch[1].scatter_(0, dst, pos.int())
+    scratch[2].scatter_(0, dst, torch.clamp(counts[sorted_e] - rank, max=block_m).int())
+    block_expert.copy_(scratch[0, :max_blocks])
+    block_start.copy_(scratch[1, :max_blocks])
+    block_count.copy_(scratch[2, :max_blocks])
+    sorted_pairs.copy_(order)
+    num_blocks.copy_(nblk.sum().reshape(1))
+    return AlignedPairs(sorted_pairs, block_expert, block_start, block_count, num_blocks, max_blocks, block_m)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Aligned (expert-grouped) experts
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def moe_up_aligned_kernel(
+    x_ptr, w13_ptr, sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_count_ptr, num_blocks_ptr, act_ptr,
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, stride_xt, stride_we, stride_wn, stride_at, limit,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if b >= tl.load(num_blocks_ptr):
+        return
+    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    start = tl.load(block_start_ptr + b)
+    count = tl.load(block_count_ptr + b)
+    rows = tl.arange(0, BLOCK_M)
+    mr = rows < count
+    pair = tl.load(sorted_pairs_ptr + start + rows, mask=mr, other=0)
+    tok = pair // TOPK
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    wg_ptrs = w13_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    wu_ptrs = wg_ptrs + INTER * stride_wn
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        mk = (k0 + offs_k) < HIDDEN
+        wg = tl.load(wg_ptrs + k0, mask=mk[:, None] & mask_n[None, :], other=0.0)
+        wu = tl.load(wu_ptrs + k0, mask=mk[:, None] & mask_n[None, :], other=0.0)
+        a = tl.load(x_ptrs + k0, mask=mr[:, None] & mk[None, :], other=0.0).to(wg.dtype)
+        if UPCAST_DOT:
+            a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+        acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
+        acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
+    act = _swiglu(acc_g, acc_u, limit, HAS_LIMIT)
+    tl.store(act_ptr + pair[:, None] * stride_at + offs_n[None, :], act, mask=mr[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def moe_down_aligned_kernel(
+    act_ptr, w2_ptr, tw_ptr, sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_count_ptr, num_blocks_ptr,
+    y_ptr,  # act [M, INTER], w2 [E, HIDDEN, INTER], tw [M], y [M, HIDDEN] fp32 (weighted per-pair rows)
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, stride_at, stride_we, stride_wn, stride_yp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1)
+    # Alignment metadata and routing weights: two or more launches back (see the module docstring).
+    if b >= tl.load(num_blocks_ptr):
+        return
+    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    start = tl.load(block_start_ptr + b)
+    count = tl.load(block_count_ptr + b)
+    rows = tl.arange(0, BLOCK_M)
+    mr = rows < count
+    pair = tl.load(sorted_pairs_ptr + start + rows, mask=mr, other=0)
+    rw = tl.load(tw_ptr + pair, mask=mr, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < HIDDEN
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + pair[:, None] * stride_at + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w2_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        mk = (k0 + offs_k) < INTER
+        w = tl.load(w_ptrs + k0, mask=mk[:, None] & mask_n[None, :], other=0.0)
+        a = tl.load(a_ptrs + k0, mask=mr[:, None] & mk[None, :], other=0.0).to(w.dtype)
+        if UPCAST_DOT:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    acc = acc * rw[:, None]
+    tl.store(y_ptr + pair[:, None] * stride_yp + offs_n[None, :], acc, mask=mr[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def moe_combine_kernel(
+    y_ptr, shared_ptr, res_ptr, out_ptr,  # y [T*TOPK, HIDDEN] fp32, out [T, HIDDEN]
+    HIDDEN: tl.constexpr, stride_yp, stride_st, stride_rt, stride_ot,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    tok = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < HIDDEN
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOPK):  # fixed order: deterministic
+        acc += tl.load(y_ptr + (tok * TOPK + j) * stride_yp + offs_n, mask=mask_n, other=0.0)
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + tok * stride_st + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if HAS_RES:
+        acc += tl.load(res_ptr + tok * stride_rt + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tok * stride_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+# UPCAST_DOT: the Triton 3.6 interpreter computes tl.dot on bf16 operands from their raw bits (garbage); in the
+# interpreter the operands are upcast to fp32 first. Compiled kernels keep bf16 operands (tensor cores, fp32 acc).
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def moe_up_aligned_fwd(x: torch.Tensor, w13: torch.Tensor, al: AlignedPairs, top_k: int, swiglu_limit: float,
+                       tile: MoETile, pdl: bool) -> torch.Tensor:
+    """x [T, d], w13 [E, 2I, d] -> act [T*k, I] fp32 (pair order), one program per (N-block, expert block)."""
+    inter, hidden = w13.shape[1] // 2, w13.shape[2]
+    act = _empty((al.sorted_pairs.numel(), inter), torch.float32, x.device)
+    grid = (triton.cdiv(inter, tile.block_n), al.max_blocks)
+    moe_up_aligned_kernel[grid](
+        x, w13, al.sorted_pairs, al.block_expert, al.block_start, al.block_count, al.num_blocks, act,
+        hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), float(swiglu_limit),
+        TOPK=top_k, BLOCK_M=al.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        DOT_PRECISION=_dot_precision(w13.dtype), UPCAST_DOT=_interpreting(), HAS_LIMIT=swiglu_limit > 0,
+        **_launch_kw(pdl, tile.num_warps, tile.num_stages),
+    )
+    return act
+
+
+def moe_down_aligned_fwd(act: torch.Tensor, w2: torch.Tensor, flat_weights: torch.Tensor, al: AlignedPairs,
+                         tile: MoETile, pdl: bool) -> torch.Tensor:
+    """act [T*k, I], w2 [E, d, I] -> y [T*k, d] fp32 = weight * act @ w2[e].T per pair."""
+    hidden, inter = w2.shape[1], w2.shape[2]
+    y = _empty((act.shape[0], hidden), torch.float32, act.device)
+    grid = (triton.cdiv(hidden, tile.block_n), al.max_blocks)
+    moe_down_aligned_kernel[grid](
+        act, w2, flat_weights, al.sorted_pairs, al.block_expert, al.block_start, al.block_count, al.num_blocks, y,
+        hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BLOCK_M=al.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, DOT_PRECISION=_dot_precision(w2.dtype),
+        UPCAST_DOT=_interpreting(),
+        **_launch_kw(pdl, tile.num_warps, tile.num_stages),
+    )
+    return y
+
+
+def moe_combine_fwd(y: torch.Tensor, top_k: int, shared_out: torch.Tensor | None, residual: torch.Tensor | None,
+                    out: torch.Tensor, tile: MoETile, pdl: bool) -> torch.Tensor:
+    """out [T, d] = sum_k y[t*k + j] (+ shared_out + residual), in fp32, cast once."""
+    num_tokens, hidden = out.shape
+    shared = shared_out if shared_out is not None else out
+    res = residual if residual is not None else out
+    grid = (triton.cdiv(hidden, tile.block_n), num_tokens)
+    moe_combine_kernel[grid](
+        y, shared, res, out, hidden, y.stride(0), shared.stride(0), res.stride(0), out.stride(0),
+        TOPK=top_k, BLOCK_N=tile.block_n, HAS_SHARED=shared_out is not None, HAS_RES=residual is not None,
+        **_launch_kw(pdl, tile.num_warps, tile.num_stages),
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                         topk_weights: torch.Tensor, swiglu_limit: float = 0.0, residual: torch.Tensor | None = None,
+                         shared_out: torch.Tensor | None = None, *, mode: str | None = None,
+                         config: MoEConfig | None = None, align: str | None = None,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[residual +] [shared_out +] sum_k topk_weights * expert_k(x)`` accumulated in fp32, returned in x's dtype.
+
+    x [T, d]; w13 [E, 2I, d] (gate rows, then up rows); w2 [E, d, I]; topk_ids [T, k] (int32/int64);
+    topk_weights [T, k]; residual / shared_out [T, d]. ``mode``: "direct", "aligned" or "hybrid" (default by T, see
+    ``default_mode``); ``align``: "triton" (one program, M <= MAX_ALIGN_PAIRS) or "torch" (default by M). No host
+    synchronisation: safe under CUDA-graph capture."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    assert w13.shape[2] == hidden and w2.shape == (num_experts, hidden, two_inter // 2)
+    assert w13.stride(-1) == 1 and w2.stride(-1) == 1, "expert weights must be contiguous along their last dim"
+    assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens
+    mode = mode or default_mode(num_tokens)
+    if mode not in ("direct", "aligned", "hybrid"):
+        raise ValueError(f"unknown MoE mode {mode!r}")
+    cfg = config or get_config(num_tokens, "direct" if mode == "direct" else "aligned")
+    direct_cfg = cfg if mode != "hybrid" or config is not None else get_config(num_tokens, "direct")
+    if out is None:
+        out = _empty((num_tokens, hidden), x.dtype, x.device)
+    if num_tokens == 0:
+        return out
+    x = x.contiguous()
+    topk_ids = topk_ids.contiguous()
+    topk_weights = topk_weights.contiguous()
+    residual = residual.contiguous() if residual is not None else None
+    shared_out = shared_out.contiguous() if shared_out is not None else None
+    flat_ids = topk_ids.view(-1)
+    pdl = pdl_enabled(x.device)
+
+    if mode == "direct":
+        act = moe_up_direct_fwd(x, w13, flat_ids, top_k, swiglu_limit, cfg.up, pdl)
+        return moe_down_direct_fwd(act, w2, topk_ids, topk_weights, shared_out, residual, out, cfg.down, pdl)
+
+    align = align or ("triton" if flat_ids.numel() <= MAX_ALIGN_PAIRS else "torch")
+    if align == "triton":
+        al = moe_align_fwd(flat_ids, num_experts, cfg.block_m, pdl)
+    else:
+        al = moe_align_torch(flat_ids, num_experts, cfg.block_m)
+    act = moe_up_aligned_fwd(x, w13, al, top_k, swiglu_limit, cfg.up, pdl)
+    if mode == "hybrid":
+        return moe_down_direct_fwd(act, w2, topk_ids, topk_weights, shared_out, residual, out, direct_cfg.down, pdl)
+    y = moe_down_aligned_fwd(act, w2, topk_weights.view(-1), al, cfg.down, pdl)
+    return moe_combine_fwd(y, top_k, shared_out, residual, out, cfg.combine, pdl)
