@@ -9,7 +9,6 @@ left unwritten (or any unwritten partial that is read) shows too.
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -22,41 +21,16 @@ triton = pytest.importorskip("triton")
 from baton.layers.rope import RotaryEmbedding  # noqa: E402
 from baton.ops import attention as attention_ops  # noqa: E402
 from baton.ops.attention import naive  # noqa: E402
+from tests.ops.triton_support import load_triton_module  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
-def _interpreter_loops() -> None:
-    """Triton 3.6's interpreter keeps scalars as 1-element arrays and converts them with ``int(array)``, which
-    NumPy >= 2.3 refuses: loops with a run-time bound (``range(start, end)`` over loaded values) then fail.
-    Take the element instead. No effect on compiled kernels."""
-    from triton.runtime import interpreter
-
-    if getattr(interpreter._patch_lang_tensor, "_baton_index_fix", False):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._baton_index_fix = True
-    interpreter._patch_lang_tensor = patched
 
 
-def _load(name: str):
-    """The Triton module, re-imported if something loaded it before TRITON_INTERPRET was set."""
-    mod = importlib.import_module(name)
-    if DEV == "cpu":
-        _interpreter_loops()
-        if not any(type(v).__name__ == "InterpretedFunction" for v in vars(mod).values()):
-            mod = importlib.reload(mod)
-    return mod
-
-
-ta = _load("baton.ops.attention.triton")
-tr = _load("baton.ops.attention.rope_cache")
+ta = load_triton_module("baton.ops.attention.triton")
+tr = load_triton_module("baton.ops.attention.rope_cache")
 
 
 @pytest.fixture

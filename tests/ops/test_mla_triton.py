@@ -8,7 +8,6 @@ position hold NaN; outputs and split workspaces start as NaN.
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import pytest
@@ -20,41 +19,16 @@ triton = pytest.importorskip("triton")
 
 from baton.ops import mla_decode as mla_ops  # noqa: E402
 from baton.ops.mla_decode import naive  # noqa: E402
+from tests.ops.triton_support import load_triton_module  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
-def _interpreter_loops() -> None:
-    """Triton 3.6's interpreter keeps scalars as 1-element arrays and converts them with ``int(array)``, which
-    NumPy >= 2.3 refuses: loops with a run-time bound then fail. Take the element instead (compiled kernels are
-    untouched). The same fix as in test_attention_triton.py; applied once."""
-    from triton.runtime import interpreter
-
-    if getattr(interpreter._patch_lang_tensor, "_baton_index_fix", False):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._baton_index_fix = True
-    interpreter._patch_lang_tensor = patched
 
 
-def _load(name: str):
-    """The Triton module, re-imported if something loaded it before TRITON_INTERPRET was set."""
-    mod = importlib.import_module(name)
-    if DEV == "cpu":
-        _interpreter_loops()
-        if not any(type(v).__name__ == "InterpretedFunction" for v in vars(mod).values()):
-            mod = importlib.reload(mod)
-    return mod
-
-
-_load("baton.ops.attention.triton")
-tm = _load("baton.ops.mla_decode.triton")
+load_triton_module("baton.ops.attention.triton")
+tm = load_triton_module("baton.ops.mla_decode.triton")
 
 
 @pytest.fixture
