@@ -1,5 +1,7 @@
-"""CUDA graphs for the decode loop: plain decode, or the NEXTN draft (all chain forwards in one graph),
-verify and extend, captured once at start-up over static buffers (the Relay) and replayed per step.
+"""CUDA graphs for the decode loop: plain decode, or the draft (all draft forwards of a step in one graph),
+verify and extend, captured once at start-up over static buffers (the Relay) and replayed per step. The
+drafter supplies its own graph bodies (``graph_draft`` / ``graph_extend`` / ``graph_start``): NEXTN chains
+and DSpark / DFlash blocks (DSpark verifies the whole block here: the prefix rule needs a host decision).
 
 Every step-varying value is read from the relay on the device: positions are ``pos + arange``, attention
 covers the whole preallocated cache with a position mask, the accept count indexes the staged KDA state,
@@ -24,18 +26,16 @@ class CudaGraphs:
     def __init__(self, engine, capture: bool = True) -> None:
         """``capture=False`` runs the same step bodies eagerly: the graph program, testable on CPU."""
         from baton.engine.relay import Relay
-        from baton.spec.nextn import NextNDrafter
 
         self.engine = engine
         self.model = engine.model
         self.cache = engine.runner.cache
         self.drafter = engine.drafter
-        if self.drafter is not None and not isinstance(self.drafter, NextNDrafter):
-            raise NotImplementedError("CUDA graphs cover plain decode and NEXTN")
         self.spec = self.drafter is not None
         self.num_verify = engine.num_draft_tokens  # k + 1 (1 for plain decode)
         device = engine.device
-        self.relay = Relay(self.num_verify, self.model.config.hidden_size, engine.dtype, device)
+        feature_dim = getattr(self.drafter, "feature_dim", 0) if self.spec else 0
+        self.relay = Relay(self.num_verify, self.model.config.hidden_size, engine.dtype, device, feature_dim)
         self.arange = torch.arange(self.num_verify, device=device)
         self.one = torch.ones(1, dtype=torch.long, device=device)
         self.sim_table = None  # --speculative-simulate-accept-len: accepted counts, cycled by the step counter
@@ -64,21 +64,17 @@ class CudaGraphs:
         r.pos.add_(1)
 
     def _draft(self) -> None:
-        r, head, target = self.relay, self.drafter.head, self.model
-        tokens = [r.first_draft]
-        hidden = r.draft_hidden
-        for j in range(1, self.drafter.num_steps):
-            ctx = self._ctx(ForwardMode.DRAFT, r.pos + (j - 1), self.drafter.runner.cache)
-            hidden = head(target.embed(tokens[-1]), hidden, ctx)
-            tokens.append(target.compute_logits(hidden).argmax(-1))
-        r.draft_tokens.copy_(torch.cat(tokens))
+        self.drafter.graph_draft(self.relay, self.arange)
 
     def _verify(self) -> None:
         r = self.relay
         ids = torch.cat([r.anchor, r.draft_tokens])
-        ctx = self._ctx(ForwardMode.VERIFY, r.pos + self.arange, self.cache)
+        ctx = ForwardContext(ForwardMode.VERIFY, r.pos + self.arange, self.cache, kv_len=None,
+                             capture_layer_ids=self.drafter.capture_layer_ids)
         hidden = self.model(ids, ctx)
         r.verify_hidden.copy_(hidden)
+        if r.verify_features is not None:
+            r.verify_features.copy_(self.drafter.features(ctx.captured))
         logits = self.model.compute_logits(hidden)
         if self.sim_table is None:
             verdict = greedy_verify(r.draft_tokens, logits)
@@ -94,12 +90,7 @@ class CudaGraphs:
         r.anchor.copy_(verdict.bonus.reshape(1))
 
     def _extend(self) -> None:
-        r, head, target = self.relay, self.drafter.head, self.model
-        ctx = self._ctx(ForwardMode.EXTEND, r.extend_pos + self.arange, self.drafter.runner.cache)
-        g = head(target.embed(r.accepted_tokens), r.verify_hidden, ctx)  # rows past the accept count: unused
-        row = g.index_select(0, r.num_accepted)
-        r.draft_hidden.copy_(row)
-        r.first_draft.copy_(target.compute_logits(row).argmax(-1))
+        self.drafter.graph_extend(self.relay, self.arange)
 
     # ---- capture and replay ----
 
@@ -121,8 +112,7 @@ class CudaGraphs:
         """Load the relay after an eager prefill (and the drafter's begin)."""
         self.relay.reset(anchor, pos)
         if self.spec:
-            self.relay.first_draft.copy_(self.drafter._first.reshape(1))
-            self.relay.draft_hidden.copy_(self.drafter._hidden)
+            self.drafter.graph_start(self.relay)
 
     def step(self, host_step: int) -> None:
         """Enqueue one decode step and the copy of its committed tokens; returns without waiting."""

@@ -16,7 +16,8 @@ RING = 4  # ring slots; the host lags one step, so 3 would do
 
 
 class Relay:
-    def __init__(self, max_tokens_per_step: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, max_tokens_per_step: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 feature_dim: int = 0) -> None:
         t = max_tokens_per_step
         kw = dict(device=device, dtype=torch.long)
         self.pos = torch.zeros(1, **kw)  # committed tokens = position of the anchor
@@ -29,6 +30,8 @@ class Relay:
         self.first_draft = torch.zeros(1, **kw)  # the next round's first draft (from extend)
         self.draft_hidden = torch.zeros(1, hidden_size, dtype=dtype, device=device)
         self.verify_hidden = torch.zeros(t, hidden_size, dtype=dtype, device=device)
+        # Tapped target features of the verify rows, in the drafter's order (DSpark / DFlash).
+        self.verify_features = torch.zeros(t, feature_dim, dtype=dtype, device=device) if feature_dim else None
         self.ring_tokens = torch.zeros(RING, t, **kw)  # [slot, token]
         self.ring_count = torch.zeros(RING, **kw)  # tokens committed by the step in that slot
         self.on_cuda = device.type == "cuda"  # on CPU (tests of the graph program) copies are synchronous

@@ -93,19 +93,25 @@ class DraftAttention(nn.Module):
             k = self.k_norm(k)
         return self.rope(positions, k), v
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, ctx_len: int) -> torch.Tensor:
-        """Block x [B, H] at ``positions``; context = cache rows 0 .. ctx_len-1 (= anchor_pos - 1)."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, ctx_len: int | None) -> torch.Tensor:
+        """Block x [B, H] at ``positions`` (anchor_pos .. anchor_pos+B-1); context = cache rows before anchor_pos.
+
+        The block's own K/V are written into the cache at their positions (those rows are overwritten by the
+        committed context in ``extend``, or by the next block, before anything reads them as context), so every
+        block query attends to cache rows 0 .. anchor_pos+B-1: the context plus the whole block, i.e.
+        bidirectional inside the block. That is causal attention with each query's visible end at the last
+        block position. ``ctx_len`` (= anchor_pos) slices the cache on the eager path; None (CUDA graphs)
+        covers the whole cache, bounded on the device by the positions."""
         b = x.shape[0]
         q = self.q_proj(x).view(b, self.num_heads, self.head_dim)  # [B, Hq, D]
         if self.q_norm is not None:
             q = self.q_norm(q)
         q = self.rope(positions, q)
         k_blk, v_blk = self.project_kv(x, positions)
-        k_ctx, v_ctx = cache.view(ctx_len)
-        k = torch.cat([k_ctx, k_blk])  # [ctx_len + B, Hkv, D]
-        v = torch.cat([v_ctx, v_blk])
-        mask = torch.ones(b, ctx_len + b, dtype=torch.bool, device=x.device)  # context < anchor_pos; block: all
-        o = attention(q, k, v, positions, self.scale, mask)
+        cache.write(positions, k_blk, v_blk)
+        k, v = cache.view(None if ctx_len is None else ctx_len + b)
+        visible_end = positions[-1:].expand(b)  # [B]: every query sees through the last block slot
+        o = attention(q, k, v, visible_end, self.scale)
         return self.o_proj(o.reshape(b, self.num_heads * self.head_dim))
 
 
@@ -120,7 +126,7 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, **kw)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, ctx_len: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, ctx_len: int | None) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), positions, cache, ctx_len)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -173,7 +179,7 @@ class DSparkDraftModel(nn.Module):
             cache.write(positions, k, v)
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor, caches: list[KVCache],
-                ctx_len: int) -> torch.Tensor:
+                ctx_len: int | None) -> torch.Tensor:
         """block_embeds [B, H] -> final-normed slot hidden states h [B, H]."""
         x = block_embeds.to(self.fc.weight.dtype)
         for layer, cache in zip(self.layers, caches, strict=True):
@@ -313,13 +319,19 @@ class DSparkDrafter(Drafter):
         self.device = device
         self.ctx_len = 0  # draft KV holds context for positions 0 .. ctx_len-1
         self.last_survival: torch.Tensor | None = None  # [gamma] a_k of the last round (DSpark with a table)
+        self.feature_dim = len(cfg.target_layer_ids) * cfg.hidden_size  # relay buffer for the verify features
+        self._mask_ids = torch.full((max(gamma - 1, 0),), self.mask_token_id, dtype=torch.long, device=device)
 
     def reset(self) -> None:
         self.ctx_len = 0
         self.last_survival = None
 
+    def features(self, captured: list[torch.Tensor]) -> torch.Tensor:
+        """Captured target layer outputs (layer order) -> [T, n*H] in the checkpoint's order for ``fc``."""
+        return torch.cat([captured[i] for i in self._feature_order], dim=-1)
+
     def _append_context(self, captured: list[torch.Tensor], start: int, num: int) -> None:
-        features = torch.cat([captured[i][:num] for i in self._feature_order], dim=-1)  # [num, n*H]
+        features = self.features([c[:num] for c in captured])  # [num, n*H]
         positions = torch.arange(start, start + num, device=self.device)
         self.model.write_context(features, positions, self.caches)
         self.ctx_len = start + num
@@ -354,6 +366,27 @@ class DSparkDrafter(Drafter):
             self.last_survival = survival(self.model.confidence_logits(h, prop.prev_emb), self.sts_temperatures)
             num = prefix_len(self.last_survival.tolist(), self.sps_table)
         return Draft(prop.tokens[:num], None if prop.probs is None else prop.probs[:num])
+
+
+    # ---- CUDA-graph bodies (engine/graphs.py): greedy, whole-block verify ----
+
+    def graph_start(self, relay) -> None:
+        """Nothing to load: ``begin`` wrote the prompt's context K/V; the anchor and pos are in the relay."""
+
+    def graph_draft(self, relay, arange) -> None:
+        ids = torch.cat([relay.anchor, self._mask_ids])  # [gamma]
+        h = self.model(self.target.embed(ids), relay.pos + arange[: self.gamma], self.caches, None)
+        base_logits = self.target.compute_logits(h)  # [gamma, V]
+        if not self.use_heads:
+            relay.draft_tokens.copy_(base_logits.argmax(-1))
+            return
+        greedy = SamplingParams(temperature=0.0)
+        relay.draft_tokens.copy_(markov_propose(base_logits, relay.anchor, self.model.markov_head, greedy, None).tokens)
+
+    def graph_extend(self, relay, arange) -> None:
+        """Context K/V of every verify row at extend_pos + i; rows past the accept count land at positions the
+        next block overwrites before any query reads them as context."""
+        self.model.write_context(relay.verify_features, relay.extend_pos + arange, self.caches)
 
 
 # ---- building from a SpecConfig ----

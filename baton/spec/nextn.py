@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from baton.engine.runner import ModelRunner
+from baton.layers.context import ForwardContext
 from baton.models.base import CausalLM
 from baton.models.nextn import NextNLayer
 from baton.spec.base import Draft, Drafter, pick_tokens
@@ -62,3 +63,30 @@ class NextNDrafter(Drafter):
         n = num_accepted + 1
         g = self._forward(ForwardMode.EXTEND, accepted_tokens[:n], target_hidden[:n], anchor_pos)
         self._seed(g[-1:], sampling, generator)
+
+    # ---- CUDA-graph bodies (engine/graphs.py): every step-varying value comes from the relay ----
+
+    def _graph_forward(self, mode: ForwardMode, next_ids, hidden, positions) -> torch.Tensor:
+        ctx = ForwardContext(mode, positions, self.runner.cache, kv_len=None)
+        return self.head(self.target.embed(next_ids), hidden, ctx)
+
+    def graph_start(self, relay) -> None:
+        relay.first_draft.copy_(self._first.reshape(1))
+        relay.draft_hidden.copy_(self._hidden)
+
+    def graph_draft(self, relay, arange) -> None:
+        """All chain forwards of one step (greedy): the first draft came from the last extend."""
+        tokens, hidden = [relay.first_draft], relay.draft_hidden
+        for j in range(1, self.num_steps):
+            hidden = self._graph_forward(ForwardMode.DRAFT, tokens[-1], hidden, relay.pos + (j - 1))
+            tokens.append(self.target.compute_logits(hidden).argmax(-1))
+        relay.draft_tokens.copy_(torch.cat(tokens))
+
+    def graph_extend(self, relay, arange) -> None:
+        """Replay every verify row (rows past the accept count are overwritten before they are read); row
+        ``num_accepted`` seeds the next round."""
+        g = self._graph_forward(ForwardMode.EXTEND, relay.accepted_tokens, relay.verify_hidden,
+                                relay.extend_pos + arange)
+        row = g.index_select(0, relay.num_accepted)
+        relay.draft_hidden.copy_(row)
+        relay.first_draft.copy_(self.target.compute_logits(row).argmax(-1))

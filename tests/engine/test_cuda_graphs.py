@@ -66,3 +66,15 @@ def test_gpu_logits_match_cpu_reference():
     print(f"GPU vs CPU logits: fp32 rel err {err32:.2e}, bf16 rel err {err16:.2e}")
     assert err32 < 1e-4
     assert err16 < 2e-2
+
+
+def test_graph_replay_equals_eager_dspark(ling_path, ckpt_root):
+    from baton.config import load_model_config
+    from baton.spec.dspark_ckpt import write_random_dspark_draft
+
+    draft = str(ckpt_root / "gpu_dspark")
+    write_random_dspark_draft(load_model_config(ling_path), draft, seed=3, block_size=4, markov_rank=16)
+    spec = {"algorithm": "DSPARK", "draft_model_path": draft, "num_draft_tokens": 5}
+    eager, _ = run(cuda_engine(ling_path, graphs=False, **spec), max_new_tokens=40)
+    got, _ = run(cuda_engine(ling_path, **spec), max_new_tokens=40)
+    assert got == eager

@@ -44,3 +44,19 @@ def test_graph_program_simulated_accept(ling_path):
     tokens, verify = run(engine, max_new_tokens=400)
     assert abs(len(tokens) / verify - 3.25) < 0.15
     assert abs(engine.spec_stats.avg_accept_length - 3.25) < 0.15
+
+
+@pytest.mark.parametrize("algorithm", ["DSPARK", "DFLASH"])
+def test_graph_program_equals_eager_dspark(ling_path, ckpt_root, algorithm):
+    from baton.config import load_model_config
+    from baton.spec.dspark_ckpt import write_random_dspark_draft
+
+    draft = str(ckpt_root / f"graph_{algorithm.lower()}")
+    write_random_dspark_draft(load_model_config(ling_path), draft, seed=3, block_size=4, num_layers=1,
+                              markov_rank=16, with_heads=True)
+    engine = make_engine(ling_path, algorithm=algorithm, draft_model_path=draft, num_draft_tokens=5)
+    want, want_verify = run(engine, max_new_tokens=31)
+    engine.graphs = CudaGraphs(engine, capture=False)
+    got, got_verify = run(engine, max_new_tokens=31)
+    assert got == want
+    assert got_verify == want_verify
