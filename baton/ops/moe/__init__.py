@@ -45,12 +45,20 @@ def select_experts(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, swiglu_limit: float = 0.0, residual: torch.Tensor | None = None,
-                shared_out: torch.Tensor | None = None) -> torch.Tensor:
+                shared_out: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
+                w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``[residual +] [shared_out +] sum_k w_k * expert_k(x)`` accumulated in fp32, returned in x's dtype.
-    x [T, d]; w13 [E, 2I, d]; w2 [E, d, I]; topk_ids / topk_weights [T, k]; residual / shared_out [T, d]."""
-    if _use_triton(x):
+    x [T, d]; w13 [E, 2I, d]; w2 [E, d, I]; topk_ids / topk_weights [T, k]; residual / shared_out [T, d].
+    fp8 experts: w13 / w2 in float8_e4m3fn with 128 x 128 block ``*_scale`` (scale_inv); the reference path
+    dequantises to x's dtype first (the kernel applies the scales in registers)."""
+    if _use_triton(x) and (w13_scale is None or x.shape[0] * topk_ids.shape[1] <= 128):
         return _triton_impl().fused_experts_decode(x, w13, w2, topk_ids, topk_weights, swiglu_limit,
-                                                   residual=residual, shared_out=shared_out)
+                                                   residual=residual, shared_out=shared_out,
+                                                   w13_scale=w13_scale, w2_scale=w2_scale)
+    if w13_scale is not None:
+        from baton.ops.quant import dequantize_fp8_block
+
+        w13, w2 = dequantize_fp8_block(w13, w13_scale, x.dtype), dequantize_fp8_block(w2, w2_scale, x.dtype)
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     routed = fused_experts_dense_gather if capturing else fused_experts
     y = routed(x, w13, w2, topk_ids, topk_weights, swiglu_limit)

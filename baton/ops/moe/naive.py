@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.layers.mlp import swiglu
+from baton.ops.linear.naive import swiglu
 
 
 def grouped_topk(scores: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, n_group: int,

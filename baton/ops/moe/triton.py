@@ -142,6 +142,12 @@ ALIGNED_CONFIGS: dict[int, MoEConfig] = {
 }
 
 
+# fp8 experts (direct path): BLOCK_K must divide the 128-wide scale blocks; fp8 rows are half the bytes, so the same
+# bytes per program take twice the rows. Untuned starting point.
+FP8_BLOCK = 128
+FP8_CONFIG = MoEConfig(up=MoETile(32, 128, 4, 4), down=MoETile(32, 128, 4, 4))
+
+
 def get_config(num_tokens: int, mode: str) -> MoEConfig:
     table = DIRECT_CONFIGS if mode == "direct" else ALIGNED_CONFIGS
     for key in sorted(table):
@@ -269,6 +275,8 @@ def moe_up_direct_kernel(
     HIDDEN: tl.constexpr, INTER: tl.constexpr, stride_xt, stride_we, stride_wn, stride_at, limit,
     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     HAS_LIMIT: tl.constexpr, USE_PDL: tl.constexpr,
+    s_ptr=None, stride_se=0, stride_sn=0,  # fp8: scale_inv [E, ceil(2I/SB), ceil(HIDDEN/SB)]
+    HAS_SCALE: tl.constexpr = False, SB: tl.constexpr = 128,
 ):
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
@@ -289,10 +297,14 @@ def moe_up_direct_kernel(
         mk = (k0 + offs_k) < HIDDEN
         xk = tl.load(x_ptrs + k0, mask=mk, other=0.0).to(tl.float32)
         m = mask_n[:, None] & mk[None, :]
-        wg = tl.load(wg_ptrs + k0, mask=m, other=0.0)
-        wu = tl.load(wu_ptrs + k0, mask=m, other=0.0)
-        acc_g += wg.to(tl.float32) * xk[None, :]
-        acc_u += wu.to(tl.float32) * xk[None, :]
+        wg = tl.load(wg_ptrs + k0, mask=m, other=0.0).to(tl.float32)
+        wu = tl.load(wu_ptrs + k0, mask=m, other=0.0).to(tl.float32)
+        if HAS_SCALE:  # block scales applied in registers; BLOCK_K divides SB so one scale column per chunk
+            s_row = s_ptr + e * stride_se + (k0 // SB)
+            wg = wg * tl.load(s_row + (offs_n // SB) * stride_sn, mask=mask_n, other=0.0)[:, None]
+            wu = wu * tl.load(s_row + ((INTER + offs_n) // SB) * stride_sn, mask=mask_n, other=0.0)[:, None]
+        acc_g += wg * xk[None, :]
+        acc_u += wu * xk[None, :]
     act = _swiglu(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), limit, HAS_LIMIT)
     tl.store(act_ptr + pair * stride_at + offs_n, act, mask=mask_n)
 
@@ -303,6 +315,8 @@ def moe_down_direct_kernel(
     HIDDEN: tl.constexpr, INTER: tl.constexpr, stride_at, stride_we, stride_wn, stride_st, stride_rt, stride_ot,
     TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr, USE_PDL: tl.constexpr,
+    s_ptr=None, stride_se=0, stride_sn=0,  # fp8: scale_inv [E, ceil(HIDDEN/SB), ceil(INTER/SB)]
+    HAS_SCALE: tl.constexpr = False, SB: tl.constexpr = 128,
 ):
     pid_n = tl.program_id(0)
     tok = tl.program_id(1)
@@ -329,7 +343,11 @@ def moe_down_direct_kernel(
         mk = (k0 + offs_k) < INTER
         a = tl.load(act_ptr + (tok * TOPK + j) * stride_at + k0 + offs_k, mask=mk, other=0.0).to(tl.float32)
         w = tl.load(w2_ptr + e * stride_we + w_rows + k0, mask=mask_n[:, None] & mk[None, :], other=0.0)
-        acc += w.to(tl.float32) * (a * rw)[None, :]
+        w = w.to(tl.float32)
+        if HAS_SCALE:
+            s_col = s_ptr + e * stride_se + k0 // SB
+            w = w * tl.load(s_col + (offs_n // SB) * stride_sn, mask=mask_n, other=0.0)[:, None]
+        acc += w * (a * rw)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_SHARED:
         y += tl.load(shared_ptr + tok * stride_st + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -338,16 +356,23 @@ def moe_down_direct_kernel(
     tl.store(out_ptr + tok * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
+def _scale_args(scale: torch.Tensor | None, tile: MoETile) -> dict:
+    if scale is None:
+        return {}
+    assert FP8_BLOCK % tile.block_k == 0, "fp8 tiles must divide the 128-wide scale blocks"
+    return dict(s_ptr=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), HAS_SCALE=True, SB=FP8_BLOCK)
+
+
 def moe_up_direct_fwd(x: torch.Tensor, w13: torch.Tensor, flat_ids: torch.Tensor, top_k: int, swiglu_limit: float,
-                      tile: MoETile, pdl: bool) -> torch.Tensor:
-    """x [T, d], w13 [E, 2I, d], flat_ids [T*k] -> act [T*k, I] fp32."""
+                      tile: MoETile, pdl: bool, w13_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, d], w13 [E, 2I, d] (bf16, or fp8 with ``w13_scale`` block scales) , flat_ids [T*k] -> act [T*k, I]."""
     num_pairs, inter, hidden = flat_ids.numel(), w13.shape[1] // 2, w13.shape[2]
     act = _empty((num_pairs, inter), torch.float32, x.device)
     grid = (triton.cdiv(inter, tile.block_n), num_pairs)
     moe_up_direct_kernel[grid](
         x, w13, flat_ids, act, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         float(swiglu_limit), TOPK=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
-        HAS_LIMIT=swiglu_limit > 0,
+        HAS_LIMIT=swiglu_limit > 0, **_scale_args(w13_scale, tile),
         **_launch_kw(pdl, tile.num_warps, tile.num_stages),
     )
     return act
@@ -355,7 +380,7 @@ def moe_up_direct_fwd(x: torch.Tensor, w13: torch.Tensor, flat_ids: torch.Tensor
 
 def moe_down_direct_fwd(act: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                         shared_out: torch.Tensor | None, residual: torch.Tensor | None, out: torch.Tensor,
-                        tile: MoETile, pdl: bool) -> torch.Tensor:
+                        tile: MoETile, pdl: bool, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """act [T*k, I], w2 [E, d, I], topk_ids / topk_weights [T, k] -> out [T, d] = sum_k w act @ w2[e].T (+ ...)."""
     num_tokens, top_k = topk_ids.shape
     hidden, inter = w2.shape[1], w2.shape[2]
@@ -367,7 +392,7 @@ def moe_down_direct_fwd(act: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Ten
         shared.stride(0), res.stride(0), out.stride(0),
         TOPK=top_k, BLOCK_TOPK=triton.next_power_of_2(top_k), BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         NUM_STAGES=tile.num_stages, HAS_SHARED=shared_out is not None, HAS_RES=residual is not None,
-        **_launch_kw(pdl, tile.num_warps, tile.num_stages),
+        **_scale_args(w2_scale, tile), **_launch_kw(pdl, tile.num_warps, tile.num_stages),
     )
     return out
 
@@ -645,23 +670,30 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
                          topk_weights: torch.Tensor, swiglu_limit: float = 0.0, residual: torch.Tensor | None = None,
                          shared_out: torch.Tensor | None = None, *, mode: str | None = None,
                          config: MoEConfig | None = None, align: str | None = None,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
+                         w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``[residual +] [shared_out +] sum_k topk_weights * expert_k(x)`` accumulated in fp32, returned in x's dtype.
 
     x [T, d]; w13 [E, 2I, d] (gate rows, then up rows); w2 [E, d, I]; topk_ids [T, k] (int32/int64);
     topk_weights [T, k]; residual / shared_out [T, d]. ``mode``: "direct", "aligned" or "hybrid" (default by T, see
     ``default_mode``); ``align``: "triton" (one program, M <= MAX_ALIGN_PAIRS) or "torch" (default by M). No host
-    synchronisation: safe under CUDA-graph capture."""
+    synchronisation: safe under CUDA-graph capture.
+
+    fp8 experts: w13 / w2 in float8_e4m3fn with ``w13_scale`` / ``w2_scale`` 128 x 128 block scale_inv (the Ling fp8
+    checkpoint layout, baton.ops.quant): the direct path applies the scales in registers and accumulates in fp32."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     top_k = topk_ids.shape[1]
     assert w13.shape[2] == hidden and w2.shape == (num_experts, hidden, two_inter // 2)
     assert w13.stride(-1) == 1 and w2.stride(-1) == 1, "expert weights must be contiguous along their last dim"
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens
-    mode = mode or default_mode(num_tokens)
+    fp8 = w13_scale is not None
+    mode = mode or ("direct" if fp8 else default_mode(num_tokens))
+    if fp8 and mode != "direct":
+        raise NotImplementedError("fp8 experts run the direct work list (the aligned kernels are bf16 only)")
     if mode not in ("direct", "aligned", "hybrid"):
         raise ValueError(f"unknown MoE mode {mode!r}")
-    cfg = config or get_config(num_tokens, "direct" if mode == "direct" else "aligned")
+    cfg = config or (FP8_CONFIG if fp8 else get_config(num_tokens, "direct" if mode == "direct" else "aligned"))
     direct_cfg = cfg if mode != "hybrid" or config is not None else get_config(num_tokens, "direct")
     if out is None:
         out = _empty((num_tokens, hidden), x.dtype, x.device)
@@ -676,8 +708,9 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     pdl = pdl_enabled(x.device)
 
     if mode == "direct":
-        act = moe_up_direct_fwd(x, w13, flat_ids, top_k, swiglu_limit, cfg.up, pdl)
-        return moe_down_direct_fwd(act, w2, topk_ids, topk_weights, shared_out, residual, out, cfg.down, pdl)
+        act = moe_up_direct_fwd(x, w13, flat_ids, top_k, swiglu_limit, cfg.up, pdl, w13_scale)
+        return moe_down_direct_fwd(act, w2, topk_ids, topk_weights, shared_out, residual, out, cfg.down, pdl,
+                                   w2_scale)
 
     align = align or ("triton" if flat_ids.numel() <= MAX_ALIGN_PAIRS else "torch")
     if align == "triton":

@@ -1,0 +1,5 @@
+"""Weight quantisation formats."""
+
+from baton.ops.quant.fp8 import FP8_DTYPE, dequantize_fp8_block, quantize_fp8_block, scale_shape
+
+__all__ = ["FP8_DTYPE", "dequantize_fp8_block", "quantize_fp8_block", "scale_shape"]

@@ -1,0 +1,48 @@
+"""fp8 (e4m3) weights with 128 x 128 block scales, the layout of the published Ling / DeepSeek fp8 checkpoints:
+``weight`` in float8_e4m3fn plus ``weight_scale_inv`` (fp32, one value per 128 x 128 block), with
+``dequantized = weight.float() * weight_scale_inv[block]``. Works on [N, K] matrices and [E, N, K] expert stacks
+(blocks never straddle experts); N and K need not be multiples of the block."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+BLOCK = 128
+
+
+def scale_shape(shape: tuple[int, ...], block: int = BLOCK) -> tuple[int, ...]:
+    """[..., N, K] -> [..., ceil(N/block), ceil(K/block)]."""
+    *lead, n, k = shape
+    return (*lead, math.ceil(n / block), math.ceil(k / block))
+
+
+def _blocked(w: torch.Tensor, block: int) -> tuple[torch.Tensor, int, int]:
+    """Pad [..., N, K] to block multiples and view as [..., nb, block, kb, block]."""
+    *lead, n, k = w.shape
+    pn, pk = math.ceil(n / block) * block - n, math.ceil(k / block) * block - k
+    wp = torch.nn.functional.pad(w, (0, pk, 0, pn)) if pn or pk else w
+    nb, kb = wp.shape[-2] // block, wp.shape[-1] // block
+    return wp.reshape(*lead, nb, block, kb, block), n, k
+
+
+def quantize_fp8_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] (any float dtype) -> (fp8 weight [..., N, K], fp32 scale_inv [..., ceil(N/b), ceil(K/b)])."""
+    blocks, n, k = _blocked(w.float(), block)
+    amax = blocks.abs().amax(dim=(-3, -1), keepdim=True).clamp_min(1e-12)  # [..., nb, 1, kb, 1]
+    scale_inv = amax / FP8_MAX
+    q = (blocks / scale_inv).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = q.reshape(*w.shape[:-2], blocks.shape[-4] * block, blocks.shape[-2] * block)[..., :n, :k]
+    return q.contiguous(), scale_inv.squeeze(-1).squeeze(-2).contiguous()
+
+
+def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                         block: int = BLOCK) -> torch.Tensor:
+    """The reference dequantisation: fp8 [..., N, K] x per-block scale_inv -> ``dtype`` [..., N, K]."""
+    blocks, n, k = _blocked(q.float(), block)
+    out = blocks * scale_inv[..., :, None, :, None]
+    out = out.reshape(*q.shape[:-2], blocks.shape[-4] * block, blocks.shape[-2] * block)[..., :n, :k]
+    return out.to(dtype)
