@@ -77,7 +77,8 @@ def test_fp8_reference_dispatch_dequantises():
     (q13, s13), (q2, s2) = quantize_fp8_block(w13), quantize_fp8_block(w2)
     x, ids, weights = torch.randn(2, d), torch.tensor([[0, 3], [1, 3]]), torch.rand(2, 2)
     got = moe_experts(x, q13, q2, ids, weights, w13_scale=s13, w2_scale=s2)
-    want = fused_experts(x, dequantize_fp8_block(q13, s13, x.dtype), dequantize_fp8_block(q2, s2, x.dtype), ids, weights)
+    dq13, dq2 = dequantize_fp8_block(q13, s13, x.dtype), dequantize_fp8_block(q2, s2, x.dtype)
+    want = fused_experts(x, dq13, dq2, ids, weights)
     torch.testing.assert_close(got, want.to(x.dtype))
 
 
