@@ -30,7 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help='JSON object merged into config.json, e.g. \'{"num_hidden_layers": 18}\'')
     g.add_argument("--context-length", type=int, default=None, help="max prompt + output tokens")
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights and simulated acceptance")
-    g.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one process per GPU)")
+    g.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel ranks: one process per GPU, started by this command; rank 0 serves")
     g.add_argument("--disable-cuda-graph", action="store_true", help="run the eager path on CUDA")
     g.add_argument("--mem-fraction-static", type=float, default=None, help="accepted for SGLang compatibility")
     s = p.add_argument_group("speculative decoding")
@@ -72,11 +73,19 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
+    args = server_args_from(ns)
+    if args.tp_size > 1:  # rank 0 (this process) runs _generate_with; the other ranks follow it
+        from baton.engine.tp import run_tp
+
+        return run_tp(args, _generate_with, (ns,))
     from baton.engine.engine import Engine
+
+    return _generate_with(Engine(args), ns)
+
+
+def _generate_with(engine, ns: argparse.Namespace) -> int:
     from baton.types import Request, SamplingParams
 
-    args = server_args_from(ns)
-    engine = Engine(args)
     tok = engine.tokenizer
     use_chat = ns.chat if ns.chat is not None else tok.has_chat_template
     prompt = ns.prompt if ns.prompt is not None else ns.prompt_pos
@@ -109,12 +118,23 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    args = server_args_from(ns)
+    if args.tp_size > 1:  # rank 0 (this process) serves HTTP; the other ranks follow its requests
+        from baton.engine.tp import run_tp
+
+        run_tp(args, _serve_with, (args,))
+        return 0
     from baton.engine.engine import Engine
     from baton.server.app import run_server
 
-    args = server_args_from(ns)
     run_server(args, Engine)
     return 0
+
+
+def _serve_with(engine, args: ServerArgs) -> None:
+    from baton.server.app import run_server
+
+    run_server(args, lambda _: engine)
 
 
 def cmd_random_checkpoint(ns: argparse.Namespace) -> int:
@@ -234,6 +254,9 @@ def _add_tools(sub) -> None:
     except ImportError:  # the bench module is optional until its dependencies are installed
         pass
     _add_eval_tools(sub)
+    from baton.train.cli import add_train_parser
+
+    add_train_parser(sub)
 
 
 def _add_eval_tools(sub) -> None:

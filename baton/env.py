@@ -67,3 +67,23 @@ def use_pdl() -> bool:
 def triton_interpret() -> bool:
     """``TRITON_INTERPRET``: Triton kernels run in its CPU interpreter, where PDL instructions do not exist."""
     return _get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")
+
+
+def tp_allreduce() -> str:
+    """``BATON_TP_ALLREDUCE``: ``auto`` (default: the one-shot symmetric-memory kernel for small messages on CUDA,
+    NCCL for the rest) or ``nccl`` (NCCL for every all-reduce)."""
+    return (_get("BATON_TP_ALLREDUCE") or "auto").lower()
+
+
+def tp_timeout_s() -> float | None:
+    """``BATON_TP_TIMEOUT``: seconds before a collective, or a rank inside a request, counts as hung (default
+    300)."""
+    v = _get("BATON_TP_TIMEOUT")
+    return float(v) if v else None
+
+
+def configure_tp_environment() -> None:
+    """Defaults every tensor-parallel rank runs with (set before any process group exists; children inherit
+    them): NVLink multicast off for NCCL (NVLS) and for torch symmetric memory, as on the project's machines."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")

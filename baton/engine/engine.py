@@ -3,6 +3,10 @@ time through the batch-1 loop: prefill, then repeat {draft, verify, accept, comm
 
 This is the eager path (CPU, and CUDA with --disable-cuda-graph); it reads the accept count on the host.
 The CUDA-graph path follows the same stages with the relay keeping every per-step value on the device.
+
+Under tensor parallelism (baton/engine/tp.py) every rank builds its own Engine on its own GPU and runs the same
+loop on the same requests; greedy choices come from ``model.greedy_tokens`` (an argmax across vocabulary
+shards without gathering the logits), everything else from the gathered logits, so all ranks agree.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from baton import env
+from baton import dist, env
 from baton.config import ConfigError, LingConfig, ServerArgs
 from baton.engine.output import OutputTracker
 from baton.engine.runner import ModelRunner
@@ -24,16 +28,18 @@ from baton.models.load import load_target
 from baton.models.loader import parse_dtype
 from baton.ops.sampling import logits_to_probs, sample_from_probs
 from baton.spec.base import Drafter
-from baton.spec.verify import Verdict, forced_verdict, greedy_verify, rejection_verify
+from baton.spec.verify import Verdict, forced_verdict, greedy_verify, greedy_verify_tokens, rejection_verify
 from baton.types import ForwardMode, Request, SamplingParams, SpecStats, StepOutput
 
 log = logging.getLogger(__name__)
 
 
 def pick_device(name: str | None) -> torch.device:
-    if name:
-        return torch.device(name)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The device asked for (default: cuda when available); a tensor-parallel rank takes its own GPU."""
+    device = torch.device(name) if name else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and dist.tp_size() > 1:
+        return dist.state().device if dist.state().device.type == "cuda" else torch.device("cuda", dist.tp_rank())
+    return device
 
 
 class Engine:
@@ -41,7 +47,11 @@ class Engine:
         self.server_args = args
         self.device = pick_device(args.device)
         self.dtype = parse_dtype(args.dtype, self.device)
+        if dist.tp_size() > 1 and args.spec.algorithm in ("DSPARK", "DFLASH"):
+            raise ConfigError(f"--speculative-algorithm {args.spec.algorithm} does not support --tp-size > 1 yet; "
+                              "use NEXTN or no speculation")
         loaded = load_target(args, self.device, self.dtype)
+        dist.barrier()  # tensor parallel: every rank has its weights before any collective
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.tokenizer_path = loaded.model_path, loaded.tokenizer_path
         self.served_model_name = args.served_model_name or self.model_path
@@ -140,7 +150,7 @@ class Engine:
                 return
             if self.drafter is None:
                 ctx = self.runner.context(ForwardMode.DECODE, pos, 1)
-                anchor = self._sample(self.model.compute_logits(self.model(anchor, ctx)), sp, gen)
+                anchor = self._pick(self.model(anchor, ctx), sp, gen)
                 pos += 1
                 self.last_sequence += anchor.tolist()
                 yield self._emit(out, anchor.tolist(), num_verify, simulated)
@@ -163,7 +173,7 @@ class Engine:
         capture = self.drafter.capture_layer_ids if self.drafter else ()
         ctx = self.runner.context(ForwardMode.PREFILL, 0, prompt.shape[0], capture)
         hidden = self.model(prompt, ctx)
-        anchor = self._sample(self.model.compute_logits(hidden[-1:]), req.sampling, gen)  # [1]
+        anchor = self._pick(hidden[-1:], req.sampling, gen)  # [1]
         if self.drafter is not None:
             self.drafter.reset()
             self.drafter.begin(prompt, hidden, ctx.captured, anchor, req.sampling, gen)
@@ -217,14 +227,17 @@ class Engine:
         verify_ids = torch.cat([anchor, draft.tokens])
         ctx = self.runner.context(ForwardMode.VERIFY, pos, verify_ids.shape[0], self.drafter.capture_layer_ids)
         hidden = self.model(verify_ids, ctx)
-        logits = self.model.compute_logits(hidden)  # [k+1, V]
-        verdict = self._verify(draft, logits, sp, gen)
+        verdict = self._verify(draft, hidden, sp, gen)
         self.runner.cache.commit(verdict.num_accepted)
         self.drafter.extend(verdict.accepted_tokens, hidden, ctx.captured, int(verdict.num_accepted), pos, sp, gen)
         return verdict
 
-    def _verify(self, draft, logits: torch.Tensor, sp: SamplingParams, gen) -> Verdict:
+    def _verify(self, draft, hidden: torch.Tensor, sp: SamplingParams, gen) -> Verdict:
+        """The verdict on ``draft`` from the target's verify hidden states [k+1, d]."""
         sim = self.server_args.spec.simulate_accept_len
+        if sim is None and sp.is_greedy and dist.tp_size() > 1:  # no full logits needed
+            return greedy_verify_tokens(draft.tokens, self.model.greedy_tokens(hidden))
+        logits = self.model.compute_logits(hidden)  # [k+1, V]
         target_probs = None
         if not sp.is_greedy:
             target_probs = logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
@@ -249,9 +262,11 @@ class Engine:
         u = torch.rand(1, generator=self._sim_generator).item()
         return min(lo + (1 if u < m - lo else 0), k)
 
-    def _sample(self, logits: torch.Tensor, sp: SamplingParams, gen) -> torch.Tensor:
+    def _pick(self, hidden: torch.Tensor, sp: SamplingParams, gen) -> torch.Tensor:
+        """The next token after each row of ``hidden`` [T, d]: the argmax, or a sample."""
         if sp.is_greedy:
-            return logits.argmax(-1)
+            return self.model.greedy_tokens(hidden)
+        logits = self.model.compute_logits(hidden)
         return sample_from_probs(logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p), gen)
 
     def _generator(self, sp: SamplingParams) -> torch.Generator | None:

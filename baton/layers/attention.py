@@ -1,4 +1,7 @@
-"""Grouped-query attention (Llama) over a preallocated KV cache, rotate-half RoPE, fused q/k/v projection."""
+"""Grouped-query attention (Llama) over a preallocated KV cache, rotate-half RoPE, fused q/k/v projection.
+
+Under tensor parallelism each rank holds ``num_heads / tp`` query heads and ``num_kv_heads / tp`` KV heads (both
+must divide), their q/k/v rows and KV cache, and the matching columns of o_proj (row-parallel)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ from torch import nn
 
 from baton.cache.kv import KVCache
 from baton.layers.context import ForwardContext
-from baton.layers.linear import FusedLinear, Linear
+from baton.layers.linear import FusedLinear, RowParallelLinear, shard_count
 from baton.layers.norm import RMSNorm
 from baton.layers.rope import RotaryEmbedding
 from baton.ops.attention import attention, rope_and_cache_write
@@ -19,12 +22,14 @@ class GQAttention(nn.Module):
                  rope: RotaryEmbedding, device=None, dtype=None) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.num_heads = shard_count(num_heads, "num_attention_heads")  # this rank's heads
+        self.num_kv_heads = shard_count(num_kv_heads, "num_key_value_heads")
+        self.head_dim = head_dim
         self.scale = head_dim**-0.5
         q_rows, kv_rows = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = FusedLinear(hidden_size, [("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows)],
                                     device=device, dtype=dtype)
-        self.o_proj = Linear(q_rows, hidden_size, device=device, dtype=dtype)
+        self.o_proj = RowParallelLinear(q_rows, hidden_size, device=device, dtype=dtype)
         self.rope = rope
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, norm: RMSNorm | None = None,
@@ -40,7 +45,7 @@ class GQAttention(nn.Module):
         q = rope_and_cache_write(q, k, v, ctx.positions, self.rope.inv_freq, cache.k, cache.v, interleaved=False)
         k_all, v_all = cache.view(ctx.kv_len)
         o = attention(q, k_all, v_all, ctx.positions, self.scale)
-        return linear(o.reshape(t, self.num_heads * self.head_dim), self.o_proj.weight, residual=residual)
+        return self.o_proj.project(o.reshape(t, self.num_heads * self.head_dim), residual)
 
     def make_cache(self, max_len: int, dtype: torch.dtype, device) -> KVCache:
         return KVCache(max_len, self.num_kv_heads, self.head_dim, dtype, device)

@@ -4,6 +4,11 @@ gated RMSNorm on the output.
 
 Prefill runs the chunked form; decode, draft and extend run the recurrence and update the persistent
 state; verify runs the recurrence from the persistent state and stages each position's state instead.
+
+Under tensor parallelism heads are split (``num_attention_heads / tp`` per rank): q/k/v/f/g/b rows, the conv
+channels, A_log and dt_bias are this rank's heads' (column-parallel), the recurrent and conv states hold only
+those heads, o_norm is shared, and o_proj is row-parallel. With KDA LoRA the small f_a/g_a projections are
+replicated and f_b/g_b are column-parallel.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from torch import nn
 from baton.cache.state import KDAState
 from baton.config import LingConfig
 from baton.layers.context import ForwardContext
-from baton.layers.linear import FusedLinear, Linear
+from baton.layers.linear import ColumnParallelLinear, FusedLinear, RowParallelLinear, local_shard, shard_count
 from baton.layers.norm import GatedRMSNorm, RMSNorm
 from baton.ops.kda import kda_chunk, kda_gate, kda_recurrent_fused
 from baton.ops.linear import linear
@@ -26,34 +31,41 @@ class FusedShortConv(nn.Module):
     """The q, k and v depthwise conv weights stacked: ``weight [3P, 1, W]`` (checkpoint: ``{q,k,v}_conv1d``)."""
 
     def __init__(self, dim: int, width: int, device=None, dtype=None) -> None:
+        """``dim``: this rank's channels per projection."""
         super().__init__()
         self.weight = nn.Parameter(torch.empty(3 * dim, 1, width, device=device, dtype=dtype))
-        self.hf_row_splits = {"weight": [(f"{n}_conv1d.weight", dim) for n in ("q", "k", "v")]}
+        shard = local_shard(0)
+        self.hf_row_splits = {"weight": [(f"{n}_conv1d.weight", dim, shard) for n in ("q", "k", "v")]}
 
 
 class KimiDeltaAttention(nn.Module):
     def __init__(self, layer_id: int, cfg: LingConfig, device=None, dtype=None) -> None:
         super().__init__()
         self.layer_id = layer_id
-        d, h, k = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
-        self.num_heads, self.head_dim = h, k
+        d, heads, k = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+        full = heads * k  # the checkpoint's projection width
+        self.num_heads = h = shard_count(heads, "num_attention_heads")  # this rank's heads
+        self.head_dim = k
         self.proj_dim = p = h * k
         self.conv_width = cfg.short_conv_kernel_size
         self.lower_bound = cfg.kda_lower_bound if cfg.kda_safe_gate else None
         self.use_lora = not cfg.no_kda_lora
         kw = dict(device=device, dtype=dtype)
-        gates = [("f_a_proj", k), ("g_a_proj", k)] if self.use_lora else [("f_proj", p), ("g_proj", p)]
+        gates = [("f_a_proj", k), ("g_a_proj", k)] if self.use_lora else [("f_proj", full), ("g_proj", full)]
         # Everything that reads the normed input, in one projection.
-        self.in_proj = FusedLinear(d, [("q_proj", p), ("k_proj", p), ("v_proj", p), *gates, ("b_proj", h)], **kw)
+        self.in_proj = FusedLinear(d, [("q_proj", full), ("k_proj", full), ("v_proj", full), *gates,
+                                       ("b_proj", heads)], replicated=("f_a_proj", "g_a_proj"), **kw)
         if self.use_lora:
-            self.f_b_proj, self.g_b_proj = Linear(k, p, **kw), Linear(k, p, **kw)
+            self.f_b_proj, self.g_b_proj = ColumnParallelLinear(k, full, **kw), ColumnParallelLinear(k, full, **kw)
         gate_width = k if self.use_lora else p
         self._split = [3 * p, gate_width, gate_width, h]  # in_proj output: q|k|v, f, g, b
         self.conv1d = FusedShortConv(p, self.conv_width, **kw)
         self.A_log = nn.Parameter(torch.empty(h, device=device, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.empty(p, device=device, dtype=torch.float32))
         self.o_norm = GatedRMSNorm(k, cfg.rms_norm_eps, **kw)
-        self.o_proj = Linear(p, d, **kw)
+        self.o_proj = RowParallelLinear(full, d, **kw)
+        if local_shard(0) is not None:
+            self.tp_shards = {"A_log": local_shard(0), "dt_bias": local_shard(0)}
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext, norm: RMSNorm | None = None,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -74,7 +86,7 @@ class KimiDeltaAttention(nn.Module):
             o = kda_recurrent_fused(q, kk, v, f.reshape(t, h, k), b, self.A_log, self.dt_bias, self.lower_bound,
                                     state.recurrent, None, state.staged_recurrent if staging else None,
                                     not staging, self.o_norm.weight, gate.reshape(t, h, k), self.o_norm.eps)
-        return linear(o.reshape(t, p), self.o_proj.weight, residual=residual)
+        return self.o_proj.project(o.reshape(t, p), residual)
 
     def _prefill(self, qkv, f, gate, b, conv_w, state: KDAState) -> torch.Tensor:
         """The chunked (parallel) form over the whole prompt; updates the persistent state."""

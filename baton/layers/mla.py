@@ -3,6 +3,10 @@
 Prefill expands the latent cache with ``kv_b_proj`` and runs ordinary multi-head attention; decode, verify
 and draft forwards use the weight-absorbed form (``q_nope`` folded through W_UK, the output through W_UV),
 which is MQA with one 576-wide key. Both write the same latent cache.
+
+Under tensor parallelism heads are split: q (or q_b), the head-wise gate and kv_b_proj hold this rank's heads'
+rows, ``dense`` is row-parallel, and the latent path (kv_a_proj_with_mqa, kv_a_layernorm, q_a_proj) is
+replicated, so every rank keeps the same full latent cache.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from torch import nn
 from baton.cache.kv import MLACache
 from baton.config import LingConfig
 from baton.layers.context import ForwardContext
-from baton.layers.linear import FusedLinear, Linear
+from baton.layers.linear import ColumnParallelLinear, FusedLinear, RowParallelLinear, shard_count
 from baton.layers.norm import RMSNorm
 from baton.layers.rope import RotaryEmbedding
 from baton.ops.attention import attention, rope_and_cache_write
@@ -26,24 +30,24 @@ class MLAttention(nn.Module):
     def __init__(self, layer_id: int, cfg: LingConfig, rope: RotaryEmbedding, device=None, dtype=None) -> None:
         super().__init__()
         self.layer_id = layer_id
-        d, h = cfg.hidden_size, cfg.num_attention_heads
-        self.num_heads = h
+        d, heads = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = shard_count(heads, "num_attention_heads")  # this rank's heads
         self.nope_dim, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         self.qk_dim = self.nope_dim + self.rope_dim
         self.scale = self.qk_dim**-0.5
         self.q_lora_rank = cfg.q_lora_rank
         kw = dict(device=device, dtype=dtype)
-        q_part = ("q_proj", h * self.qk_dim) if cfg.q_lora_rank is None else ("q_a_proj", cfg.q_lora_rank)
+        q_part = ("q_proj", heads * self.qk_dim) if cfg.q_lora_rank is None else ("q_a_proj", cfg.q_lora_rank)
         # Everything that reads the normed input, in one projection: q (or q_a), kv_a, the head-wise gate.
         self.in_proj = FusedLinear(d, [q_part, ("kv_a_proj_with_mqa", self.kv_lora_rank + self.rope_dim),
-                                       ("g_proj", h)], **kw)
+                                       ("g_proj", heads)], replicated=("q_a_proj", "kv_a_proj_with_mqa"), **kw)
         if cfg.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, **kw)
-            self.q_b_proj = Linear(cfg.q_lora_rank, h * self.qk_dim, **kw)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * self.qk_dim, **kw)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps, **kw)
-        self.kv_b_proj = Linear(self.kv_lora_rank, h * (self.nope_dim + self.v_dim), **kw)
-        self.dense = Linear(h * self.v_dim, d, **kw)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), **kw)
+        self.dense = RowParallelLinear(heads * self.v_dim, d, **kw)
         self.rope = rope
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,7 +77,7 @@ class MLAttention(nn.Module):
             o = self._attend_absorbed(q_nope, q_rope, latent, ctx.positions)
         gate = torch.sigmoid(gate_logits.float())[:, :, None]  # [T, H, 1]
         o = (o.float() * gate).to(x.dtype)
-        return linear(o.reshape(t, self.num_heads * self.v_dim), self.dense.weight, residual=residual)
+        return self.dense.project(o.reshape(t, self.num_heads * self.v_dim), residual)
 
     def _attend_expanded(self, q_nope, q_rope, latent, positions) -> torch.Tensor:
         s = latent.shape[0]

@@ -1,13 +1,16 @@
-"""SwiGLU MLP with fused gate/up weights and the optional post-SiLU clamp (Ling's swiglu limit)."""
+"""SwiGLU MLP with fused gate/up weights and the optional post-SiLU clamp (Ling's swiglu limit).
+
+Under tensor parallelism the intermediate dimension is split: gate_up_proj holds this rank's gate rows then its
+up rows (column-parallel), down_proj the matching columns (row-parallel, summed over ranks)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from baton.layers.linear import FusedLinear, Linear
+from baton.layers.linear import FusedLinear, RowParallelLinear
 from baton.layers.norm import RMSNorm
-from baton.ops.linear import linear, linear_swiglu, swiglu
+from baton.ops.linear import linear_swiglu, swiglu
 
 __all__ = ["MLP", "swiglu"]
 
@@ -24,10 +27,11 @@ class MLP(nn.Module):
         self.swiglu_limit = swiglu_limit
         self.gate_up_proj = FusedLinear(hidden_size, [("gate_proj", intermediate_size), ("up_proj", intermediate_size)],
                                         device=device, dtype=dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, device=device, dtype=dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None,
+                reduce: bool = True) -> torch.Tensor:
+        """``reduce=False`` (tensor parallel) returns this rank's partial sum, for a caller that reduces once."""
         act = linear_swiglu(x, self.gate_up_proj.weight, None if norm is None else norm.weight,
                             1e-6 if norm is None else norm.eps, self.swiglu_limit)
-        return linear(act, self.down_proj.weight, residual=residual)
+        return self.down_proj.project(act, residual, reduce)

@@ -1,13 +1,20 @@
 """Ling's MoE block: sigmoid router with an expert_bias used only for selection, group-limited top-k,
 renormalised weights times routed_scaling_factor, fused routed experts and an unscaled shared expert,
-each with its own post-SiLU SwiGLU clamp."""
+each with its own post-SiLU SwiGLU clamp.
+
+Under tensor parallelism the router is replicated (every rank picks the same experts) and every expert, routed
+and shared, is split along its intermediate dimension: w13 holds this rank's gate rows then up rows, w2 the
+matching columns. Each rank adds its routed and shared partials (and, on rank 0, the residual) and the block
+ends with one all-reduce."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from baton import dist
 from baton.config import LingConfig
+from baton.layers.linear import local_shard, shard_count
 from baton.layers.mlp import MLP
 from baton.layers.norm import RMSNorm
 from baton.ops.moe import moe_experts, select_experts
@@ -24,12 +31,16 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """All routed experts stacked: ``w13 [E, 2I, d]`` (gate rows, then up rows) and ``w2 [E, d, I]``."""
+    """All routed experts stacked: ``w13 [E, 2I, d]`` (gate rows, then up rows) and ``w2 [E, d, I]``; ``I`` is this
+    rank's part of ``inter`` (each checkpoint gate/up tensor split along rows, down along columns)."""
 
     def __init__(self, num_experts: int, hidden_size: int, inter: int, device=None, dtype=None) -> None:
         super().__init__()
+        inter = shard_count(inter, "moe_intermediate_size")
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, device=device, dtype=dtype))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter, device=device, dtype=dtype))
+        if local_shard(0) is not None:  # dims of the per-expert checkpoint tensors: gate/up [I, d], down [d, I]
+            self.tp_shards = {"w13": local_shard(0), "w2": local_shard(1)}
 
 
 class SparseMoE(nn.Module):
@@ -64,7 +75,16 @@ class SparseMoE(nn.Module):
         """``[residual +] routed(norm(x)) + shared(norm(x))``, the combine accumulated in fp32."""
         h = x if norm is None else norm(x)
         topk_ids, topk_weights = self.route(h)
+        if dist.tp_size() > 1:
+            return self._forward_tp(x, h, topk_ids, topk_weights, residual)
         shared = self.shared_experts(h) if self.shared_experts is not None else None
         y = moe_experts(h, self.experts.w13, self.experts.w2, topk_ids, topk_weights, self.expert_limit,
                         residual=residual, shared_out=shared)
         return y.to(x.dtype)
+
+    def _forward_tp(self, x, h, topk_ids, topk_weights, residual) -> torch.Tensor:
+        """This rank's routed + shared partials (+ the residual on rank 0), summed over ranks once."""
+        shared = self.shared_experts(h, reduce=False) if self.shared_experts is not None else None
+        y = moe_experts(h, self.experts.w13, self.experts.w2, topk_ids, topk_weights, self.expert_limit,
+                        residual=residual if dist.tp_rank() == 0 else None, shared_out=shared)
+        return dist.all_reduce(y.to(x.dtype))

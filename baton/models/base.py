@@ -1,11 +1,17 @@
 """What every target model provides to the engine: embeddings, a forward over a ForwardContext that
-returns the final-normed hidden states, logits from the (possibly tied) lm_head, and its caches."""
+returns the final-normed hidden states, logits from the (possibly tied) lm_head, and its caches.
+
+Under tensor parallelism the lm_head is vocab-parallel: ``compute_local_logits`` is this rank's block of the
+vocabulary, ``greedy_tokens`` takes the argmax across ranks from each rank's (max, argmax) pair without
+gathering the logits, and ``compute_logits`` gathers the full row (what sampling, rejection verification and
+the drafters' distributions need; every rank then holds the same logits and makes the same choices)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from baton import dist
 from baton.cache.model_cache import ModelCache
 from baton.layers.context import ForwardContext
 
@@ -38,12 +44,40 @@ class CausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [T, d] -> fp32 logits [T, V]."""
+    def compute_local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, d] -> fp32 logits [T, V_rank] of this rank's vocabulary block (padding rows included)."""
         w = self.lm_head_weight
         if self.lm_head_fp32:
             return hidden.float() @ w.float().t()
         return (hidden @ w.t()).float()
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, d] -> fp32 logits [T, V] (gathered from every rank under tensor parallelism)."""
+        logits = self.compute_local_logits(hidden)
+        if dist.tp_size() == 1:
+            return logits
+        return dist.all_gather(logits, dim=-1)[:, : self.embed_tokens.vocab.vocab_size]
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, d] -> argmax token ids [T] (int64), the lowest id among ties, the same on every rank."""
+        if dist.tp_size() == 1:
+            return self.compute_logits(hidden).argmax(-1)
+        logits = self.compute_local_logits(hidden)
+        vocab = self.embed_tokens.vocab
+        if vocab.valid < logits.shape[-1]:
+            logits[:, vocab.valid :] = float("-inf")
+        idx = logits.argmax(-1)
+        best = logits.gather(1, idx[:, None])[:, 0]
+        # fp64 holds both the fp32 maximum and the token id exactly: one gather of [tp, 2, T]
+        pairs = dist.all_gather(torch.stack([best.double(), (idx + vocab.start).double()])[None], dim=0)
+        rank = pairs[:, 0].argmax(0)  # first rank with the maximum = the lowest token id
+        return pairs[:, 1].gather(0, rank[None])[0].long()
+
+    def reset_padding(self) -> None:
+        """Zero the vocabulary padding rows of the last rank's embedding / lm_head (after materialising)."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "reset_padding"):
+                m.reset_padding()
 
     def make_cache(self, max_len: int, dtype: torch.dtype, device, max_stage: int = 8) -> ModelCache:
         layers = {}

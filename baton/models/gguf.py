@@ -332,6 +332,12 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out_dim // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def read_gguf_llama_config(path: str) -> dict[str, Any]:
+    """The config.json dict of a llama-architecture GGUF, from its metadata only (no tensor data is read)."""
+    gf = GGUFFile(path)
+    return _llama_config(gf.metadata, gf.tensors, path)
+
+
 def read_gguf_llama(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Read a llama-architecture GGUF into ``(config.json dict, state dict)``.
 

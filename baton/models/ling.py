@@ -9,8 +9,8 @@ from torch import nn
 
 from baton.config import LingConfig
 from baton.layers.context import ForwardContext
+from baton.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from baton.layers.kda import KimiDeltaAttention
-from baton.layers.linear import Linear
 from baton.layers.mla import MLAttention
 from baton.layers.mlp import MLP
 from baton.layers.moe import SparseMoE
@@ -54,7 +54,7 @@ class LingModel(nn.Module):
         kw = dict(device=device, dtype=dtype)
         self.rope = RotaryEmbedding(cfg.qk_rope_head_dim, cfg.rope_theta, interleaved=cfg.rope_interleave,
                                     rope_scaling=cfg.rope_scaling, device=device)
-        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.word_embeddings = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **kw)
         self.layers = nn.ModuleList(LingDecoderLayer(i, cfg, self.rope, **kw) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
 
@@ -66,7 +66,7 @@ class LingForCausalLM(CausalLM):
         self.model = LingModel(cfg, device=device, dtype=dtype)
         self.tie_word_embeddings = cfg.tie_word_embeddings
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, device=device, dtype=dtype)
+            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, device=device, dtype=dtype)
         self.mtp = None
         if cfg.num_nextn_predict_layers > 0:
             n = cfg.num_hidden_layers

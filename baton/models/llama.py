@@ -8,7 +8,7 @@ from torch import nn
 from baton.config import LlamaConfig
 from baton.layers.attention import GQAttention
 from baton.layers.context import ForwardContext
-from baton.layers.linear import Linear
+from baton.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from baton.layers.mlp import MLP
 from baton.layers.norm import RMSNorm
 from baton.layers.rope import RotaryEmbedding
@@ -40,7 +40,7 @@ class LlamaModel(nn.Module):
         kw = dict(device=device, dtype=dtype)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, interleaved=False, rope_scaling=cfg.rope_scaling,
                                     device=device)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **kw)
         self.layers = nn.ModuleList(LlamaDecoderLayer(i, cfg, self.rope, **kw) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
 
@@ -52,7 +52,7 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(cfg, device=device, dtype=dtype)
         self.tie_word_embeddings = cfg.tie_word_embeddings
         if not cfg.tie_word_embeddings:
-            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, device=device, dtype=dtype)
+            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, device=device, dtype=dtype)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from baton import dist
 from baton.config import ConfigError, ModelConfig, ServerArgs, load_model_config, parse_model_config
 from baton.layers.rope import RotaryEmbedding
 from baton.models.base import CausalLM
@@ -44,11 +45,23 @@ def materialize(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def build_model(cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
-    """An uninitialised model of ``cfg`` on ``device`` ("meta" builds shapes only)."""
+    """An uninitialised model of ``cfg`` on ``device`` ("meta" builds shapes only), with this tensor-parallel
+    rank's shapes (baton.dist); vocabulary padding rows are zeroed."""
     model = model_class(cfg)(cfg, device="meta", dtype=dtype)
     if torch.device(device).type != "meta":
         materialize(model, torch.device(device))
+        model.reset_padding()
     return model.eval()
+
+
+def init_dummy(model: CausalLM, cfg: ModelConfig, seed: int, dtype: torch.dtype) -> None:
+    """Dummy weights; a tensor-parallel rank takes its slices of the single-rank dummy model's weights."""
+    if dist.tp_size() == 1:
+        init_dummy_weights(model, seed)
+        return
+    with dist.layout_context(0, 1):
+        full = build_model(cfg, "meta", dtype)
+    init_dummy_weights(model, seed, full_model=full)
 
 
 def load_target(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -62,7 +75,7 @@ def load_target(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> L
     cfg = load_model_config(path, args.json_model_override_args)
     model = build_model(cfg, device, dtype)
     if args.load_format == "dummy":
-        init_dummy_weights(model, args.seed)
+        init_dummy(model, cfg, args.seed, dtype)
     else:
         load_safetensors(model, path, ignore_prefixes=_ignored_prefixes(cfg))
     tok_path = args.tokenizer_path or path
@@ -78,7 +91,7 @@ def _load_gguf(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> Lo
     cfg = parse_model_config(cfg_dict, args.json_model_override_args)
     model = build_model(cfg, device, dtype)
     if args.load_format == "dummy":
-        init_dummy_weights(model, args.seed)
+        init_dummy(model, cfg, args.seed, dtype)
     else:
         load_tensors(model, tensors.items(), total=len(tensors))
     name = "embedded" if args.is_embedded else os.path.abspath(gguf_path)

@@ -32,8 +32,13 @@ def _assemble(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, bonus: tor
 
 def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
     """draft_tokens [k], target_logits [k+1, V] (row i scores the token after chain position i)."""
+    return greedy_verify_tokens(draft_tokens, target_logits.argmax(-1))
+
+
+def greedy_verify_tokens(draft_tokens: torch.Tensor, predict: torch.Tensor) -> Verdict:
+    """draft_tokens [k], predict [k+1]: the target's argmax after each chain position (e.g. from
+    ``CausalLM.greedy_tokens``, which needs no full logits under tensor parallelism)."""
     k = draft_tokens.shape[0]
-    predict = target_logits.argmax(-1)  # [k+1]
     match = (predict[:k] == draft_tokens).long()
     num_accepted = match.cumprod(0).sum()
     bonus = predict.gather(0, num_accepted.reshape(1))[0]

@@ -1,0 +1,381 @@
+"""Shared pieces of ``baton train``: training records (JSONL) and batching, the frozen target embedding and
+lm_head on the trainer device, masked attention for training forwards, AdamW with warmup + cosine, the
+training loop (gradient accumulation over the sequences of a batch, one global loss normaliser), and the
+metric log with its loss / accept-length curves (PNG).
+
+A training record (one line of the JSONL ``baton train data`` writes) holds at least ``prompt_ids`` and
+``response_ids``; the sequence is their concatenation and losses are taken on response positions only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from baton import env
+
+log = logging.getLogger(__name__)
+
+
+# ---- records and batches ----
+
+
+@dataclass
+class Sample:
+    ids: list[int]  # prompt + response token ids
+    prompt_len: int  # labels at positions >= prompt_len are response tokens (trained on)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+
+def read_jsonl(path: str) -> list[dict[str, Any]]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_jsonl(path: str, rows: Sequence[dict[str, Any]]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def read_samples(path: str, max_len: int | None = None, min_response: int = 2) -> list[Sample]:
+    """Training records -> Samples (sequences cut at ``max_len``; ones with < ``min_response`` response tokens
+    left are dropped)."""
+    out = []
+    for row in read_jsonl(path):
+        ids = list(row["prompt_ids"]) + list(row["response_ids"])
+        if max_len is not None:
+            ids = ids[:max_len]
+        if len(ids) - len(row["prompt_ids"]) < min_response:
+            continue
+        meta = {k: v for k, v in row.items() if k not in ("prompt_ids", "response_ids")}
+        out.append(Sample(ids, len(row["prompt_ids"]), meta))
+    return out
+
+
+def batches(samples: Sequence[Sample], batch_size: int, num_steps: int, seed: int) -> Iterator[list[Sample]]:
+    """``num_steps`` batches of ``batch_size`` samples: epochs of a seeded shuffle, the last batch of an epoch
+    may be short."""
+    if not samples:
+        raise ValueError("no training samples")
+    rng = random.Random(seed)
+    step = 0
+    while True:
+        order = list(range(len(samples)))
+        rng.shuffle(order)
+        for i in range(0, len(order), batch_size):
+            if step >= num_steps:
+                return
+            yield [samples[j] for j in order[i : i + batch_size]]
+            step += 1
+
+
+def steps_for(num_samples: int, batch_size: int, epochs: float, steps: int | None) -> int:
+    return steps if steps is not None else max(1, math.ceil(epochs * math.ceil(num_samples / batch_size)))
+
+
+# ---- the frozen target pieces the draft shares ----
+
+
+class FrozenHead:
+    """The target's input embedding and lm_head weights on the trainer device (shared, never trained, never
+    written into a draft checkpoint). With the target on the same device these are the target's tensors."""
+
+    def __init__(self, target: nn.Module, device: torch.device) -> None:
+        vocab = target.config.vocab_size
+        self.embed_weight = target.embed_tokens.weight.detach()[:vocab].to(device)  # [V, d]
+        self.head_weight = target.lm_head_weight.detach()[:vocab].to(device)  # [V, d]
+        self.vocab_size = vocab
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [N] -> [N, d] in the target dtype."""
+        return F.embedding(ids, self.embed_weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, d] -> fp32 logits [N, V] (as ``CausalLM.compute_logits`` with lm_head_fp32)."""
+        with _no_autocast(hidden.device):
+            return hidden.float() @ self.head_weight.float().t()
+
+
+def _no_autocast(device: torch.device):
+    return torch.autocast(device.type, enabled=False) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on CUDA, plain fp32 on CPU."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q [T, H, D], k [S, Hkv, D], v [S, Hkv, Dv], mask [T, S] bool (True = visible) -> [T, H, Dv].
+    Differentiable (SDPA); every query row must see at least one key."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    v = v.to(q.dtype)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.to(q.dtype).transpose(0, 1), v.transpose(0, 1),
+                                       attn_mask=mask, scale=scale)  # [H, T, Dv]
+    return o.transpose(0, 1)
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ---- optimisation ----
+
+
+@dataclass
+class TrainOptions:
+    output: str
+    steps: int | None = None  # None: ``epochs`` over the data
+    epochs: float = 1.0
+    batch_size: int = 8  # sequences per optimiser step
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+    weight_decay: float = 0.0
+    warmup_frac: float = 0.04
+    grad_clip: float = 1.0
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 0  # 0: evaluate the accept length only at the end (when an evaluator is given)
+    max_seq_len: int = 2048
+    prefetch: int = 2  # batches of target features computed ahead
+
+
+def lr_at(step: int, total: int, opts: TrainOptions) -> float:
+    """Linear warmup over ``warmup_frac`` of the steps, then cosine from lr down to lr * min_lr_ratio."""
+    warmup = max(1, int(round(opts.warmup_frac * total)))
+    if step < warmup:
+        return opts.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    floor = opts.lr * opts.min_lr_ratio
+    return floor + (opts.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_optimizer(module: nn.Module, opts: TrainOptions) -> torch.optim.AdamW:
+    """AdamW; norms, biases and 1-d parameters take no weight decay."""
+    decay, no_decay = [], []
+    for p in module.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": opts.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+# ---- the loop ----
+
+
+class Plan(Protocol):
+    weight_sum: float  # the sample's total loss weight (known before the forward)
+
+
+Stats = dict[str, tuple[float, float]]  # name -> (sum, count): logged as sum / count over the batch
+
+
+class Task(Protocol):
+    """What ``train_loop`` drives: a trainable module, a per-sample plan (anchors, label weights) and the
+    weighted loss sum of one sample with its logged statistics."""
+
+    module: nn.Module
+
+    def plan(self, sample: Sample, gen: torch.Generator) -> Plan: ...
+
+    def loss(self, sample: Sample, feats: Any, plan: Plan) -> tuple[torch.Tensor, Stats]: ...
+
+    def save(self, path: str) -> None: ...
+
+
+@dataclass
+class History:
+    """What one training run logged: per-step records and (step, accept length) evaluations."""
+
+    steps: list[dict[str, float]] = field(default_factory=list)
+    evals: list[dict[str, float]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def train_loop(task: Task, feature_batches: Iterator[list[tuple[Sample, Any]]], total_steps: int,
+               opts: TrainOptions, device: torch.device,
+               evaluate: Callable[[nn.Module], float] | None = None, desc: str = "train") -> History:
+    """AdamW steps over ``feature_batches`` (lists of (sample, target features)); per step the samples'
+    weighted loss sums are divided by the batch's total weight, so the loss is a weighted mean over every
+    trained position of the batch. Logs, evaluates, and returns the history."""
+    torch.manual_seed(opts.seed)
+    gen = torch.Generator().manual_seed(opts.seed)
+    optimizer = make_optimizer(task.module, opts)
+    history = History()
+    task.module.train()
+    t0 = time.perf_counter()
+    if evaluate is not None and opts.eval_every:
+        history.evals.append({"step": 0, "accept_length": _evaluate(task, evaluate)})
+    bar = tqdm(total=total_steps, desc=desc, unit="step", disable=env.disable_progress())
+    for step, batch in enumerate(feature_batches):
+        lr = lr_at(step, total_steps, opts)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        record = _train_step(task, batch, gen, optimizer, opts, device)
+        record.update(step=step + 1, lr=lr, elapsed_s=time.perf_counter() - t0)
+        history.steps.append(record)
+        bar.update(1)
+        bar.set_postfix(loss=f"{record.get('loss', float('nan')):.4f}")
+        if opts.log_every and (step + 1) % opts.log_every == 0:
+            log.info("step %d: %s", step + 1, {k: round(v, 5) for k, v in record.items()})
+        if evaluate is not None and opts.eval_every and (step + 1) % opts.eval_every == 0 and step + 1 < total_steps:
+            history.evals.append({"step": step + 1, "accept_length": _evaluate(task, evaluate)})
+    bar.close()
+    if evaluate is not None:
+        history.evals.append({"step": len(history.steps), "accept_length": _evaluate(task, evaluate)})
+    return history
+
+
+def _evaluate(task: Task, evaluate: Callable[[nn.Module], float]) -> float:
+    task.module.eval()
+    try:
+        return float(evaluate(task.module))
+    finally:
+        task.module.train()
+
+
+def _train_step(task: Task, batch: list[tuple[Sample, Any]], gen: torch.Generator,
+                optimizer: torch.optim.Optimizer, opts: TrainOptions, device: torch.device) -> dict[str, float]:
+    plans = [task.plan(sample, gen) for sample, _ in batch]
+    total = sum(p.weight_sum for p in plans)
+    optimizer.zero_grad(set_to_none=True)
+    if total <= 0:
+        return {"loss": float("nan"), "skipped": 1.0}
+    loss_sum, stats = 0.0, {}
+    for (sample, feats), plan in zip(batch, plans, strict=True):
+        if plan.weight_sum <= 0:
+            continue
+        with autocast(device):
+            loss, sample_stats = task.loss(sample, feats, plan)
+        (loss / total).backward()
+        loss_sum += float(loss.detach())
+        merge_stats(stats, sample_stats)
+    params = [p for p in task.module.parameters() if p.grad is not None]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, opts.grad_clip) if opts.grad_clip > 0 else torch.tensor(0.0)
+    optimizer.step()
+    record = {"loss": loss_sum / total, **finish_stats(stats)}
+    record.update(grad_norm=float(grad_norm), tokens=float(sum(s.num_tokens for s, _ in batch)))
+    return record
+
+
+def merge_stats(into: Stats, new: Stats) -> Stats:
+    for k, (s, n) in new.items():
+        s0, n0 = into.get(k, (0.0, 0.0))
+        into[k] = (s0 + s, n0 + n)
+    return into
+
+
+def finish_stats(stats: Stats) -> dict[str, float]:
+    return {k: s / n for k, (s, n) in stats.items() if n > 0}
+
+
+# ---- outputs ----
+
+
+def write_history(history: History, out_dir: str, title: str, extra: dict[str, Any] | None = None) -> str:
+    """metrics.json and train_curves.png in ``out_dir``; returns the PNG path."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "metrics.json"), "w") as f:
+        json.dump({**(extra or {}), **history.to_dict()}, f, indent=1)
+    png = os.path.join(out_dir, "train_curves.png")
+    plot_curves({title: history}, png)
+    return png
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    out, acc = [], []
+    for v in values:
+        acc.append(v)
+        if len(acc) > window:
+            acc.pop(0)
+        finite = [a for a in acc if math.isfinite(a)]
+        out.append(sum(finite) / len(finite) if finite else float("nan"))
+    return out
+
+
+def _panels(runs: dict[str, History]) -> list[tuple[str, list[str]]]:
+    """(title, metric keys) per panel: the total loss, the loss terms, the accuracies."""
+    keys = sorted({k for h in runs.values() for r in h.steps for k in r})
+    panels = [("loss", ["loss"]), ("loss terms", [k for k in keys if k.startswith("loss_")]),
+              ("teacher-forced accuracy / est. acceptance", [k for k in keys if k.startswith(("acc", "accept_est"))])]
+    return [(title, ks) for title, ks in panels if ks]
+
+
+def plot_curves(runs: dict[str, History], path: str, accept_bars: dict[str, float] | None = None) -> None:
+    """Loss, loss terms and accuracies per step (smoothed), accept length per evaluation, and optional final
+    accept-length bars; one line per (run, metric)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = _panels(runs)
+    has_evals = any(h.evals for h in runs.values())
+    ncols = max(1, len(panels) + int(has_evals) + int(bool(accept_bars)))
+    fig, axes = plt.subplots(1, ncols, figsize=(4.8 * ncols, 3.8), squeeze=False)
+    axes = list(axes[0])
+    multi = len(runs) > 1
+    for ax, (title, keys) in zip(axes, panels, strict=False):
+        for name, h in runs.items():
+            for key in keys:
+                xs = [r["step"] for r in h.steps if key in r]
+                ys = [r[key] for r in h.steps if key in r]
+                label = f"{name} {key}" if multi else key
+                ax.plot(xs, _smooth(ys, max(1, len(ys) // 50)), label=label, lw=1.2)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    i = len(panels)
+    if has_evals:
+        ax = axes[i]
+        for name, h in runs.items():
+            ax.plot([e["step"] for e in h.evals], [e["accept_length"] for e in h.evals], marker="o", label=name)
+        ax.set_title("accept length (Engine, greedy, held-out)")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+        i += 1
+    if accept_bars:
+        ax = axes[i]
+        names = list(accept_bars)
+        ax.bar(range(len(names)), [accept_bars[n] for n in names])
+        ax.set_xticks(range(len(names)), names, rotation=20, fontsize=7)
+        ax.set_title("final accept length")
+        for j, n in enumerate(names):
+            ax.text(j, accept_bars[n], f"{accept_bars[n]:.2f}", ha="center", va="bottom", fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+__all__ = ["FrozenHead", "History", "Sample", "TrainOptions", "autocast", "batches", "finish_stats", "lr_at",
+           "make_optimizer", "masked_attention", "merge_stats", "plot_curves", "read_jsonl", "read_samples",
+           "resolve_device", "steps_for", "train_loop", "write_history", "write_jsonl"]

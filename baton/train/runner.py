@@ -1,0 +1,99 @@
+"""One training job end to end: load the frozen target, stream its online features into the training loop,
+evaluate the accept length with the Engine, save the draft, write metrics.json and train_curves.png."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from baton.config import ModelConfig, ServerArgs
+from baton.engine.engine import pick_device
+from baton.models.base import CausalLM
+from baton.models.load import load_target
+from baton.models.loader import parse_dtype
+from baton.train.common import History, Sample, Task, TrainOptions, batches, steps_for, train_loop, write_history
+from baton.train.evaluate import AcceptLengthEval, spec_args
+from baton.train.online import FeaturePrefetcher, TargetFeatures
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FrozenTarget:
+    model: CausalLM
+    config: ModelConfig
+    tokenizer: Any
+    device: torch.device
+    args: ServerArgs  # how it was loaded (the eval engine loads the same target)
+
+
+def load_frozen_target(args: ServerArgs) -> FrozenTarget:
+    """The target in eval mode with gradients off, on ``args.device`` in ``args.dtype``."""
+    device = pick_device(args.device)
+    loaded = load_target(args, device, parse_dtype(args.dtype, device))
+    model = loaded.model.eval().requires_grad_(False)
+    return FrozenTarget(model, loaded.config, loaded.tokenizer, device, args)
+
+
+@dataclass
+class EvalSpec:
+    """Accept-length evaluation during / after training: an Engine on ``args`` (the target), greedy."""
+
+    args: ServerArgs
+    algorithm: str  # NEXTN | DSPARK | DFLASH
+    prompts: list[list[int]]
+    max_new_tokens: int = 128
+    num_steps: int | None = None  # NEXTN chain length (--speculative-num-steps)
+
+
+def run_training(task: Task, target: FrozenTarget, layer_ids: Sequence[int], samples: Sequence[Sample],
+                 opts: TrainOptions, device: torch.device, eval_spec: EvalSpec | None = None,
+                 title: str = "draft", extra: dict[str, Any] | None = None) -> History:
+    """Train ``task`` on ``samples`` with features from ``target``; save to ``opts.output``."""
+    total = steps_for(len(samples), opts.batch_size, opts.epochs, opts.steps)
+    provider = TargetFeatures(target.model, target.device, layer_ids, max_len=opts.max_seq_len)
+    tmp, evaluator = None, None
+    if eval_spec is not None and eval_spec.prompts:
+        tmp = tempfile.mkdtemp(prefix="baton-train-eval-")
+        task.save(tmp)  # the engine is built from a checkpoint, then takes the trained weights in place
+        evaluator = AcceptLengthEval(spec_args(eval_spec.args, eval_spec.algorithm, tmp, eval_spec.num_steps),
+                                     eval_spec.prompts, eval_spec.max_new_tokens)
+        evaluator.build()  # before the feature worker starts: CUDA graphs are captured with no other thread busy
+    log.info("training %s: %d samples, %d steps of %d sequences", title, len(samples), total, opts.batch_size)
+    try:
+        with FeaturePrefetcher(provider, batches(samples, opts.batch_size, total, opts.seed), device,
+                               opts.prefetch) as prefetcher:
+            evaluate = None if evaluator is None else _paused(prefetcher, evaluator)
+            history = train_loop(task, iter(prefetcher), total, opts, device, evaluate, desc=title)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    task.save(opts.output)
+    info = {"title": title, "train_options": asdict(opts), **(extra or {})}
+    png = write_history(history, opts.output, title, info)
+    with open(os.path.join(opts.output, "train_args.json"), "w") as f:
+        json.dump(info, f, indent=1, default=str)
+    log.info("saved %s to %s (curves: %s)", title, opts.output, png)
+    return history
+
+
+def _paused(prefetcher: FeaturePrefetcher, evaluator: AcceptLengthEval) -> Callable[[nn.Module], float]:
+    """The evaluation, with the target-feature worker held between batches while the engine decodes."""
+
+    def evaluate(module: nn.Module) -> float:
+        with prefetcher.paused():
+            return evaluator(module)
+
+    return evaluate
+
+
+__all__ = ["EvalSpec", "FrozenTarget", "load_frozen_target", "run_training"]

@@ -1,0 +1,154 @@
+"""DSpark / DFlash training: the packed-block mask, the loss weights, the packed forward against the serving
+block forward, and training end to end (loss down, greedy output unchanged, accept length up, STS file)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from baton.cli import main as baton_main
+from baton.config import ServerArgs
+from baton.spec.dspark import load_sts_temperatures
+from baton.train.common import FrozenHead, Sample
+from baton.train.dspark import (
+    DSparkOptions,
+    block_mask,
+    block_outputs,
+    build_trainable_draft,
+    dspark_loss,
+    make_blocks,
+    position_weights,
+    sample_anchors,
+    slot_weights,
+)
+from baton.train.evaluate import holdout_prompts, measure_accept_length
+from baton.train.online import TargetFeatures
+from baton.train.runner import load_frozen_target
+from baton.types import Request, SamplingParams
+from tests.spec.conftest import make_engine
+
+CPU = torch.device("cpu")
+
+
+def test_block_mask_hand_example():
+    # context positions 0..4, two blocks of gamma = 2 anchored at 2 and 5
+    m = block_mask(torch.tensor([2, 5]), gamma=2, ctx_len=5)
+    expected = torch.tensor([
+        # ctx 0 1 2 3 4 | b0 b0 b1 b1
+        [1, 1, 0, 0, 0, 1, 1, 0, 0],  # block 0, slot 0 (the anchor at 2): context strictly before 2
+        [1, 1, 0, 0, 0, 1, 1, 0, 0],  # block 0, slot 1: the same, its own block bidirectionally
+        [1, 1, 1, 1, 1, 0, 0, 1, 1],  # block 1 (anchor 5): context 0..4, not block 0
+        [1, 1, 1, 1, 1, 0, 0, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(m, expected)
+
+
+def test_blocks_and_anchors():
+    ids = torch.arange(10, 20)  # T = 10, prompt 4
+    b = make_blocks(ids, 4, torch.tensor([4, 8]), gamma=3, mask_token_id=99)
+    assert b.input_ids.tolist() == [14, 99, 99, 18, 99, 99]
+    assert b.positions.tolist() == [4, 5, 6, 8, 9, 10]
+    assert b.prev_ids.tolist()[:3] == [14, 15, 16] and b.labels.tolist()[:3] == [15, 16, 17]
+    assert b.valid.tolist() == [[True, True, True], [True, False, False]] and b.ctx_len == 8
+    gen = torch.Generator().manual_seed(0)
+    sample = Sample(list(range(30)), prompt_len=12)
+    a = sample_anchors(sample, 5, gen)
+    assert a.shape == (5,) and torch.equal(a, a.sort().values) and int(a.min()) >= 12 and int(a.max()) <= 28
+    assert sample_anchors(sample, 100, gen).tolist() == list(range(12, 29))  # every response position
+    assert sample_anchors(Sample([1, 2, 3], 3), 4, gen).numel() == 0
+
+
+def test_loss_weights_and_terms():
+    w = position_weights(4, 4.0)
+    torch.testing.assert_close(w, torch.tensor([1.0, math.exp(-0.25), math.exp(-0.5), math.exp(-0.75)]))
+    valid = torch.tensor([[True, True, False, True], [True, True, True, True]])
+    sw = slot_weights(valid, 4.0)  # a later slot counts only while every earlier one is valid
+    torch.testing.assert_close(sw, torch.stack([w * torch.tensor([1.0, 1.0, 0.0, 0.0]), w]))
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
+    target = torch.tensor([[1.0, 1.0, -1.0], [0.0, 1.0, 0.0]])
+    labels = torch.tensor([0, 2])
+    conf = torch.tensor([0.3, -0.2])
+    weights = torch.tensor([1.0, 0.5])
+    parts = dspark_loss(logits, target, labels, conf, weights)
+    p, q = logits.softmax(-1), target.softmax(-1)
+    ce = -logits.log_softmax(-1)[[0, 1], labels]
+    tv = (p - q).abs().sum(-1)
+    c_star = 1 - 0.5 * tv
+    bce = -(c_star * F.logsigmoid(conf) + (1 - c_star) * F.logsigmoid(-conf))
+    torch.testing.assert_close(parts.total, (weights * (0.1 * ce + 0.9 * tv + 1.0 * bce)).sum())
+    assert float(tv[1]) == 0.0 and float(parts.c_star[1]) == 1.0  # identical distributions: certain acceptance
+    for alphas, term in (((1, 0, 0), ce), ((0, 1, 0), tv), ((0, 0, 1), bce)):
+        torch.testing.assert_close(dspark_loss(logits, target, labels, conf, weights, alphas).total,
+                                   (weights * term).sum())
+    no_conf = dspark_loss(logits, target, labels, None, weights)  # DFlash: no confidence term
+    torch.testing.assert_close(no_conf.total, (weights * (0.1 * ce + 0.9 * tv)).sum())
+    assert DSparkOptions(markov_rank=0).loss_alphas() == (1.0, 0.0, 0.0)
+    assert DSparkOptions().loss_alphas() == (0.1, 0.9, 1.0)
+
+
+def test_packed_forward_matches_serving_blocks(target_path):
+    target = load_frozen_target(ServerArgs(model_path=target_path, device="cpu"))
+    model, cfg = build_trainable_draft(target.config, DSparkOptions(block_size=4, num_layers=2, markov_rank=8), CPU)
+    with torch.no_grad():
+        model.markov_head.w2.weight.normal_(0, 0.3)
+        model.confidence_head.weight.normal_(0, 0.3)
+    frozen = FrozenHead(target.model, CPU)
+    ids = torch.tensor([5, 17, 42, 8, 3, 60, 11, 29, 33, 7, 9, 23, 70, 2])
+    feats = TargetFeatures(target.model, CPU, cfg.target_layer_ids)(ids.tolist())
+    anchors = torch.tensor([4, 7, 11])
+    with torch.no_grad():
+        out = block_outputs(model, frozen, ids, 4, feats, anchors)
+        for b, a in enumerate(anchors.tolist()):
+            caches = model.make_caches(32, torch.float32, CPU)
+            model.write_context(feats.taps[:a], torch.arange(a), caches)
+            block = torch.tensor([int(ids[a])] + [cfg.mask_token_id] * 3)
+            h = model(frozen.embed(block), torch.arange(a, a + 4), caches, a)  # the drafter's block forward
+            prev = ids[torch.arange(a, a + 4).clamp(max=13)]
+            emb = model.markov_head.w1(prev)
+            rows = slice(4 * b, 4 * b + 4)
+            torch.testing.assert_close(out.logits[rows], frozen.logits(h) + model.markov_head.bias(emb),
+                                       rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(out.conf_logits[rows], model.confidence_logits(h, emb), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(out.target_logits[rows][:2], frozen.logits(feats.hidden[a : a + 2]))
+
+
+def _greedy(engine, prompts, n=32):
+    sp = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+    return [[t for o in engine.generate(Request(p, sp)) for t in o.token_ids] for p in prompts]
+
+
+@pytest.mark.timeout(150)
+def test_dspark_training_end_to_end(tmp_path, target_path, greedy_data):
+    train, hold = greedy_data
+    out = str(tmp_path / "dspark")
+    assert baton_main(["train", "dspark", "--model-path", target_path, "--target-device", "cpu", "--device", "cpu",
+                       "--train-data", train, "--output", out, "--steps", "60", "--batch-size", "6", "--lr", "3e-3",
+                       "--block-size", "4", "--num-layers", "1", "--markov-rank", "16", "--num-anchors", "24",
+                       "--holdout-data", train, "--eval-prompts", "6", "--eval-max-new-tokens", "32",
+                       "--eval-every", "60"]) == 0
+    metrics = json.load(open(os.path.join(out, "metrics.json")))
+    first, last = metrics["steps"][:3], metrics["steps"][-5:]
+    for key, ratio in (("loss", 0.8), ("loss_tv", 0.7)):  # the CE / BCE parts have floors (soft targets)
+        assert sum(r[key] for r in last) / 5 < ratio * sum(r[key] for r in first) / 3, key
+    evals = metrics["evals"]
+    assert evals[-1]["accept_length"] > evals[0]["accept_length"] + 0.7
+    prompts = holdout_prompts(train)
+    engine = make_engine(target_path, algorithm="DSPARK", draft_model_path=out)
+    assert engine.drafter.gamma == 4
+    r = measure_accept_length(engine, prompts, 32)
+    assert r.outputs == _greedy(make_engine(target_path), prompts)  # greedy output == plain decoding
+    assert r.accept_length == pytest.approx(evals[-1]["accept_length"]) and r.accept_length > 2.0
+
+    sts = str(tmp_path / "sts.json")
+    assert baton_main(["train", "calibrate", "--model-path", target_path, "--target-device", "cpu", "--device",
+                       "cpu", "--draft", out, "--holdout-data", hold, "--output", sts, "--num-anchors", "16"]) == 0
+    data = json.load(open(sts))
+    assert len(data["temperatures"]) == 4 and len(data["ece_before"]) == 4 and len(data["ece_after"]) == 4
+    assert all(a <= b + 1e-12 for a, b in zip(data["ece_after"][:1], data["ece_before"][:1], strict=True))
+    assert load_sts_temperatures(sts, 4).shape == (4,)
+    assert os.path.isfile(sts.replace(".json", "_reliability.png"))
