@@ -33,6 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel ranks: one process per GPU, started by this command; rank 0 serves")
     g.add_argument("--disable-cuda-graph", action="store_true", help="run the eager path on CUDA")
+    g.add_argument("--enable-fp32-lm-head", action="store_true",
+                   help="compute logits with an fp32 copy of the lm_head (default: the model dtype)")
+    g.add_argument("--enable-fp32-router", action="store_true",
+                   help="run the MoE router gate in fp32 (default: the model dtype, as the seed's final config)")
     g.add_argument("--mem-fraction-static", type=float, default=None, help="accepted for SGLang compatibility")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-algorithm", default=None,

@@ -289,7 +289,8 @@ class ServerArgs:
     log_level: str = "info"
     served_model_name: str | None = None
     max_request_bytes: int = 8 * 1024 * 1024
-    router_fp32: bool = False
+    enable_fp32_lm_head: bool = False  # keep an fp32 copy of the lm_head (default: the model dtype)
+    enable_fp32_router: bool = False  # keep the MoE router gate in fp32 (default: the model dtype)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     @property

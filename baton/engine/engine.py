@@ -55,7 +55,7 @@ class Engine:
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path, self.tokenizer_path = loaded.model_path, loaded.tokenizer_path
         self.served_model_name = args.served_model_name or self.model_path
-        self.model.lm_head_fp32 = True
+        self._apply_precision(args)
         self.context_length = self._context_length()
         spec = args.spec
         if spec.algorithm in ("DSPARK", "DFLASH"):
@@ -82,6 +82,17 @@ class Engine:
             from baton.engine.graphs import CudaGraphs
 
             self.graphs = CudaGraphs(self)
+
+    def _apply_precision(self, args: ServerArgs) -> None:
+        """Router gate and lm_head run in the model dtype unless the flags keep fp32 copies (made once here)."""
+        from baton.layers.moe import SparseMoE
+
+        if args.enable_fp32_lm_head:
+            self.model.use_fp32_lm_head()
+        if args.enable_fp32_router:
+            for m in self.model.modules():
+                if isinstance(m, SparseMoE):
+                    m.use_fp32_router()
 
     # ---- public API (baton/engine/README.contract.md) ----
 

@@ -16,7 +16,7 @@ import logging
 import torch
 
 from baton.layers.context import ForwardContext
-from baton.spec.verify import forced_verdict, greedy_verify
+from baton.spec.verify import greedy_verify_tokens, verdict_from
 from baton.types import ForwardMode
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class CudaGraphs:
     def _decode(self) -> None:
         r = self.relay
         ctx = self._ctx(ForwardMode.DECODE, r.pos + self.arange[:1], self.cache)
-        token = self.model.compute_logits(self.model(r.anchor, ctx)).argmax(-1)
+        token = self.model.greedy_tokens(self.model(r.anchor, ctx))
         r.anchor.copy_(token)
         r.publish(token, self.one)
         r.pos.add_(1)
@@ -75,12 +75,12 @@ class CudaGraphs:
         r.verify_hidden.copy_(hidden)
         if r.verify_features is not None:
             r.verify_features.copy_(self.drafter.features(ctx.captured))
-        logits = self.model.compute_logits(hidden)
+        predict = self.model.greedy_tokens(hidden)  # [k+1]: no full logits gathered under TP
         if self.sim_table is None:
-            verdict = greedy_verify(r.draft_tokens, logits)
+            verdict = greedy_verify_tokens(r.draft_tokens, predict)
         else:
             a = self.sim_table.index_select(0, torch.remainder(r.step, self.sim_table.shape[0]))
-            verdict = forced_verdict(r.draft_tokens, a, logits)
+            verdict = verdict_from(r.draft_tokens, a, predict.index_select(0, a)[0])
         self.cache.commit(verdict.num_accepted)
         r.extend_pos.copy_(r.pos)
         r.num_accepted.copy_(verdict.num_accepted.reshape(1))

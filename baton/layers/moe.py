@@ -50,7 +50,6 @@ class SparseMoE(nn.Module):
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.renormalize, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.expert_limit = cfg.expert_swiglu_limit(layer_id)
-        self.router_fp32 = cfg.router_dtype in ("fp32", "float32")
         kw = dict(device=device, dtype=dtype)
         self.gate = Router(cfg.hidden_size, cfg.num_experts, cfg.moe_router_enable_expert_bias, **kw)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, **kw)
@@ -60,10 +59,15 @@ class SparseMoE(nn.Module):
             self.shared_experts = MLP(cfg.hidden_size, inter, cfg.shared_swiglu_limit(layer_id), **kw)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, d] -> router logits [T, E] fp32 (the GEMV in fp32 or in the weight dtype per ``router_dtype``)."""
-        if self.router_fp32:
-            return x.float() @ self.gate.weight.float().t()
-        return (x @ self.gate.weight.t()).float()
+        """x [T, d] -> router logits [T, E] fp32. The GEMV runs in the gate weight's dtype: the model dtype by
+        default (bf16 on GPU), fp32 after ``use_fp32_router`` (``--enable-fp32-router``)."""
+        w = self.gate.weight
+        if w.dtype == torch.float32:
+            return x.float() @ w.t()
+        return (x @ w.t()).float()
+
+    def use_fp32_router(self) -> None:
+        self.gate.weight.data = self.gate.weight.data.float()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, d] -> (topk_ids [T, k], topk_weights [T, k] fp32)."""

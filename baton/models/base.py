@@ -20,7 +20,7 @@ class CausalLM(nn.Module):
     """Subclasses set ``self.embed_tokens`` (an nn.Embedding), ``self.layers`` (decoder layers with
     ``layer_id`` and ``make_cache``), ``self.norm`` and ``self.lm_head_weight``-providing attributes."""
 
-    lm_head_fp32: bool = True
+    lm_head_fp32_weight: torch.Tensor | None = None  # set by use_fp32_lm_head()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -45,11 +45,18 @@ class CausalLM(nn.Module):
         return self.lm_head.weight
 
     def compute_local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [T, d] -> fp32 logits [T, V_rank] of this rank's vocabulary block (padding rows included)."""
-        w = self.lm_head_weight
-        if self.lm_head_fp32:
-            return hidden.float() @ w.float().t()
+        """hidden [T, d] -> fp32 logits [T, V_rank] of this rank's vocabulary block (padding rows included).
+        The GEMV runs in the weight's dtype (bf16 on GPU, as the seed's final configuration) unless an fp32
+        copy was made once by ``use_fp32_lm_head``; never a per-call conversion of the weight."""
+        w = self.lm_head_weight if self.lm_head_fp32_weight is None else self.lm_head_fp32_weight
+        if w.dtype == torch.float32:
+            return hidden.float() @ w.t()
         return (hidden @ w.t()).float()
+
+    def use_fp32_lm_head(self) -> None:
+        """Keep an fp32 copy of the lm_head for the logits (``--enable-fp32-lm-head``)."""
+        w = self.lm_head_weight
+        self.lm_head_fp32_weight = None if w.dtype == torch.float32 else w.detach().float()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, d] -> fp32 logits [T, V] (gathered from every rank under tensor parallelism)."""

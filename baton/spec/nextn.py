@@ -79,7 +79,7 @@ class NextNDrafter(Drafter):
         tokens, hidden = [relay.first_draft], relay.draft_hidden
         for j in range(1, self.num_steps):
             hidden = self._graph_forward(ForwardMode.DRAFT, tokens[-1], hidden, relay.pos + (j - 1))
-            tokens.append(self.target.compute_logits(hidden).argmax(-1))
+            tokens.append(self.target.greedy_tokens(hidden))
         relay.draft_tokens.copy_(torch.cat(tokens))
 
     def graph_extend(self, relay, arange) -> None:
@@ -89,4 +89,4 @@ class NextNDrafter(Drafter):
                                 relay.extend_pos + arange)
         row = g.index_select(0, relay.num_accepted)
         relay.draft_hidden.copy_(row)
-        relay.first_draft.copy_(self.target.compute_logits(row).argmax(-1))
+        relay.first_draft.copy_(self.target.greedy_tokens(row))

@@ -76,4 +76,10 @@ def forced_verdict(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, targe
         bonus = target_logits.index_select(0, idx).argmax(-1)[0]
     else:
         bonus = sample_from_probs(target_probs.index_select(0, idx), generator)[0]
-    return Verdict(num_accepted.reshape(()), bonus, _assemble(draft_tokens, num_accepted.reshape(()), bonus))
+    return verdict_from(draft_tokens, num_accepted, bonus)
+
+
+def verdict_from(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, bonus: torch.Tensor) -> Verdict:
+    """A verdict with a given accepted count (device tensor) and bonus token."""
+    a = num_accepted.reshape(())
+    return Verdict(a, bonus, _assemble(draft_tokens, a, bonus))
