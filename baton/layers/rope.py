@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from baton.config import ConfigError
+from baton.ops.rope import apply_rope, rope_cos_sin
 
 
 class RotaryEmbedding(nn.Module):
@@ -34,20 +35,9 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq.copy_((1.0 / (self.base**exps)).float())
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, rotary_dim/2]
-        return freqs.cos(), freqs.sin()
+        return rope_cos_sin(positions, self.inv_freq)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H, rotary_dim] (or [T, rotary_dim]); returns the rotated tensor in x's dtype."""
         cos, sin = self.cos_sin(positions)
-        if x.dim() == 3:
-            cos, sin = cos[:, None, :], sin[:, None, :]
-        xf = x.float()
-        if self.interleaved:
-            x1, x2 = xf[..., 0::2], xf[..., 1::2]
-            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-        else:
-            half = self.rotary_dim // 2
-            x1, x2 = xf[..., :half], xf[..., half:]
-            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.to(x.dtype)
+        return apply_rope(x, cos, sin, self.interleaved)

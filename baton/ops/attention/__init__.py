@@ -17,6 +17,7 @@ import torch
 from baton.env import use_triton
 from baton.ops.attention.naive import attention as attention_naive
 from baton.ops.attention.naive import causal_mask
+from baton.ops.rope import apply_rope, rope_cos_sin
 
 __all__ = ["attention", "causal_mask", "rope_and_cache_write", "triton_module"]
 
@@ -60,25 +61,15 @@ def rope_and_cache_write(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tenso
 def _rope_and_cache_write_torch(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor | None,
                                 positions: torch.Tensor, cos_sin_or_inv_freq: torch.Tensor, k_cache: torch.Tensor,
                                 v_cache: torch.Tensor | None, interleaved: bool) -> torch.Tensor | None:
-    """The same in plain PyTorch, with ``RotaryEmbedding``'s arithmetic (fp32 angles and rotation)."""
+    """The same in plain PyTorch, with the rotation math of ``baton.ops.rope`` (fp32 angles and rotation)."""
     table = cos_sin_or_inv_freq
     if table.dim() == 2:
         cos, sin = table[positions].float().chunk(2, dim=-1)  # [T, rotary_dim / 2] each
     else:
-        freqs = positions.float()[:, None] * table[None, :]  # [T, rotary_dim / 2]
-        cos, sin = freqs.cos(), freqs.sin()
-    half = cos.shape[-1]
+        cos, sin = rope_cos_sin(positions, table)
 
-    def rotate(x: torch.Tensor) -> torch.Tensor:  # [T, H, D] -> RoPE on the first 2 * half dims
-        xf = x[..., : 2 * half].float()
-        c, s = cos[:, None, :], sin[:, None, :]
-        if interleaved:
-            x1, x2 = xf[..., 0::2], xf[..., 1::2]
-            out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
-        else:
-            x1, x2 = xf[..., :half], xf[..., half:]
-            out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-        return torch.cat([out.to(x.dtype), x[..., 2 * half :]], dim=-1)
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        return apply_rope(x, cos, sin, interleaved)
 
     if q is not None:
         q = rotate(q)  # out of place, so autograd (draft training) can differentiate through it
