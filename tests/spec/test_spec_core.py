@@ -152,3 +152,38 @@ def test_draft_for_other_vocab_is_refused(ckpt_root, llama_path):
     assert baton_main(["convert", "random-draft", "--target", other, "--output", out]) == 0
     with pytest.raises(ConfigError, match="vocabulary"):
         make_engine(llama_path, algorithm="NEXTN", num_steps=2, draft_model_path=out)
+
+
+@pytest.fixture(scope="module")
+def random_dspark(ckpt_root, ling_path, llama_path):
+    from baton.config import load_model_config
+    from baton.spec.dspark_ckpt import write_random_dspark_draft
+
+    out = {}
+    for name, path in (("ling", ling_path), ("llama", llama_path)):
+        out[name] = str(ckpt_root / f"random_dspark_{name}")
+        write_random_dspark_draft(load_model_config(path), out[name], seed=11, block_size=8, markov_rank=16)
+    return out
+
+
+@pytest.mark.parametrize("target", ["ling", "llama"])
+@pytest.mark.parametrize("gamma", [4, 8])
+@pytest.mark.parametrize("algorithm", ["DSPARK", "DFLASH"])
+def test_random_block_draft_greedy_equals_plain(plain, ling_path, llama_path, random_dspark, target, gamma,
+                                                algorithm):
+    path = ling_path if target == "ling" else llama_path
+    engine = make_engine(path, algorithm=algorithm, draft_model_path=random_dspark[target],
+                         num_draft_tokens=gamma + 1)
+    tokens, verify = run(engine)
+    assert tokens == plain[target]
+    assert verify > 0
+
+
+@pytest.mark.parametrize("gamma", [4, 8])
+def test_oracle_block_draft_accepts_everything(plain, ling_path, random_dspark, gamma):
+    engine = make_engine(ling_path, algorithm="DSPARK", draft_model_path=random_dspark["ling"],
+                         num_draft_tokens=gamma + 1)
+    engine.drafter = OracleDrafter(PROMPT + plain["ling"], gamma)
+    tokens, verify = run(engine)
+    assert tokens == plain["ling"]
+    assert verify == -(-(len(tokens) - 1) // (gamma + 1))
