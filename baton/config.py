@@ -120,6 +120,7 @@ class LingConfig:
     pad_token_id: int | None = None
     torch_dtype: str | None = None
     model_type: str = "bailing_hybrid"
+    quantization_config: dict | None = None  # {"quant_method": "fp8", "weight_block_size": [128, 128], ...}
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -151,6 +152,17 @@ class LingConfig:
     def shared_swiglu_limit(self, layer_id: int) -> float:
         lst = self.share_expert_swiglu_limit_list
         return float(lst[layer_id]) if lst is not None and layer_id < len(lst) else 0.0
+
+    @property
+    def fp8_experts(self) -> bool:
+        """Routed experts in fp8 e4m3 with 128 x 128 block scales (an fp8 checkpoint, or --quantization fp8)."""
+        q = self.quantization_config or {}
+        if q.get("quant_method") not in (None, "fp8"):
+            raise ConfigError(f"quantization method {q.get('quant_method')!r} is not supported (fp8 is)")
+        block = q.get("weight_block_size", [128, 128])
+        if q and list(block) != [128, 128]:
+            raise ConfigError(f"fp8 weight_block_size {block} is not supported (128 x 128 is)")
+        return bool(q)
 
     @property
     def qk_head_dim(self) -> int:
@@ -291,6 +303,7 @@ class ServerArgs:
     max_request_bytes: int = 8 * 1024 * 1024
     enable_fp32_lm_head: bool = False  # keep an fp32 copy of the lm_head (default: the model dtype)
     enable_fp32_router: bool = False  # keep the MoE router gate in fp32 (default: the model dtype)
+    quantization: str | None = None  # "fp8": routed experts in fp8 (quantised at load from a bf16 checkpoint)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     @property

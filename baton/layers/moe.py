@@ -13,11 +13,13 @@ import torch
 from torch import nn
 
 from baton import dist
-from baton.config import LingConfig
+from baton.config import ConfigError, LingConfig
 from baton.layers.linear import local_shard, shard_count
 from baton.layers.mlp import MLP
 from baton.layers.norm import RMSNorm
 from baton.ops.moe import moe_experts, select_experts
+from baton.ops.quant import FP8_DTYPE
+from baton.ops.quant.fp8 import BLOCK as FP8_BLOCK
 
 
 class Router(nn.Module):
@@ -32,15 +34,34 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """All routed experts stacked: ``w13 [E, 2I, d]`` (gate rows, then up rows) and ``w2 [E, d, I]``; ``I`` is this
-    rank's part of ``inter`` (each checkpoint gate/up tensor split along rows, down along columns)."""
+    rank's part of ``inter`` (each checkpoint gate/up tensor split along rows, down along columns).
 
-    def __init__(self, num_experts: int, hidden_size: int, inter: int, device=None, dtype=None) -> None:
+    fp8: the weights are float8_e4m3fn with 128 x 128 block ``weight_scale_inv`` per checkpoint tensor, stacked as
+    ``w13_scale [E, 2 * ceil(I/128), ceil(d/128)]`` (gate blocks, then up blocks) and ``w2_scale [E, ceil(d/128),
+    ceil(I/128)]``; under tensor parallelism each rank's I must be a multiple of 128 so blocks do not straddle."""
+
+    def __init__(self, num_experts: int, hidden_size: int, inter: int, device=None, dtype=None,
+                 fp8: bool = False) -> None:
         super().__init__()
+        full_inter = inter
         inter = shard_count(inter, "moe_intermediate_size")
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, device=device, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter, device=device, dtype=dtype))
+        self.fp8 = fp8
+        wdtype = FP8_DTYPE if fp8 else dtype
+        grad = not fp8  # fp8 tensors cannot require grad
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, device=device, dtype=wdtype), grad)
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, inter, device=device, dtype=wdtype), grad)
+        self.w13_scale = self.w2_scale = None
+        if fp8:
+            if inter != full_inter and inter % FP8_BLOCK:
+                raise ConfigError(f"fp8 experts under tensor parallelism need moe_intermediate_size / tp ({inter}) "
+                                  f"to be a multiple of {FP8_BLOCK}")
+            nb_i, nb_d = -(-inter // FP8_BLOCK), -(-hidden_size // FP8_BLOCK)
+            f32 = dict(device=device, dtype=torch.float32)
+            self.w13_scale = nn.Parameter(torch.empty(num_experts, 2 * nb_i, nb_d, **f32), requires_grad=False)
+            self.w2_scale = nn.Parameter(torch.empty(num_experts, nb_d, nb_i, **f32), requires_grad=False)
         if local_shard(0) is not None:  # dims of the per-expert checkpoint tensors: gate/up [I, d], down [d, I]
-            self.tp_shards = {"w13": local_shard(0), "w2": local_shard(1)}
+            self.tp_shards = {"w13": local_shard(0), "w2": local_shard(1), "w13_scale": local_shard(0),
+                              "w2_scale": local_shard(1)}
 
 
 class SparseMoE(nn.Module):
@@ -52,7 +73,8 @@ class SparseMoE(nn.Module):
         self.expert_limit = cfg.expert_swiglu_limit(layer_id)
         kw = dict(device=device, dtype=dtype)
         self.gate = Router(cfg.hidden_size, cfg.num_experts, cfg.moe_router_enable_expert_bias, **kw)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, **kw)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, **kw,
+                               fp8=cfg.fp8_experts)
         self.shared_experts = None
         if cfg.num_shared_experts:
             inter = cfg.moe_shared_expert_intermediate_size * cfg.num_shared_experts
@@ -83,12 +105,14 @@ class SparseMoE(nn.Module):
             return self._forward_tp(x, h, topk_ids, topk_weights, residual)
         shared = self.shared_experts(h) if self.shared_experts is not None else None
         y = moe_experts(h, self.experts.w13, self.experts.w2, topk_ids, topk_weights, self.expert_limit,
-                        residual=residual, shared_out=shared)
+                        residual=residual, shared_out=shared, w13_scale=self.experts.w13_scale,
+                        w2_scale=self.experts.w2_scale)
         return y.to(x.dtype)
 
     def _forward_tp(self, x, h, topk_ids, topk_weights, residual) -> torch.Tensor:
         """This rank's routed + shared partials (+ the residual on rank 0), summed over ranks once."""
         shared = self.shared_experts(h, reduce=False) if self.shared_experts is not None else None
         y = moe_experts(h, self.experts.w13, self.experts.w2, topk_ids, topk_weights, self.expert_limit,
-                        residual=residual if dist.tp_rank() == 0 else None, shared_out=shared)
+                        residual=residual if dist.tp_rank() == 0 else None, shared_out=shared,
+                        w13_scale=self.experts.w13_scale, w2_scale=self.experts.w2_scale)
         return dist.all_reduce(y.to(x.dtype))

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from baton import dist
-from baton.config import ConfigError, ModelConfig, ServerArgs, load_model_config, parse_model_config
+from baton.config import ConfigError, LingConfig, ModelConfig, ServerArgs, load_model_config, parse_model_config
 from baton.layers.rope import RotaryEmbedding
 from baton.models.base import CausalLM
 from baton.models.loader import init_dummy_weights, load_safetensors, load_tensors
@@ -73,6 +73,7 @@ def load_target(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> L
     if not os.path.isdir(path):
         raise ConfigError(f"--model-path {path}: not a directory or a .gguf file")
     cfg = load_model_config(path, args.json_model_override_args)
+    _apply_quantization(cfg, args.quantization)
     model = build_model(cfg, device, dtype)
     if args.load_format == "dummy":
         init_dummy(model, cfg, args.seed, dtype)
@@ -97,6 +98,18 @@ def _load_gguf(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> Lo
     name = "embedded" if args.is_embedded else os.path.abspath(gguf_path)
     tokenizer = load_tokenizer(args.tokenizer_path) if args.tokenizer_path else load_tokenizer(gguf_path=gguf_path)
     return LoadedModel(model, cfg, tokenizer, name, args.tokenizer_path or name)
+
+
+def _apply_quantization(cfg: ModelConfig, quantization: str | None) -> None:
+    """``--quantization fp8``: routed experts in fp8 e4m3 with 128 x 128 block scales (quantised at load from a
+    bf16 checkpoint, or drawn so for dummy weights); dense layers, router and lm_head stay in the model dtype."""
+    if quantization is None:
+        return
+    if quantization != "fp8":
+        raise ConfigError(f"--quantization {quantization}: only fp8 is supported")
+    if not isinstance(cfg, LingConfig):
+        raise ConfigError("--quantization fp8 quantises MoE experts; this model has none")
+    cfg.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
 
 
 def _ignored_prefixes(cfg: ModelConfig) -> tuple[str, ...]:

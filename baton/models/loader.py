@@ -133,6 +133,19 @@ def _param_slots(name: str, hf: str, p: torch.Tensor, shard) -> dict[str, Slot]:
         src = _source(shard, p.shape[2])
         base = hf[: -len("w2")]
         return {f"{base}{e}.down_proj.weight": Slot(name, e, src=src) for e in range(p.shape[0])}
+    if name.endswith("experts.w13_scale"):  # fp8 block scales: per checkpoint tensor, gate blocks then up blocks
+        nb = p.shape[1] // 2
+        src = _source(shard, nb)
+        base = hf[: -len("w13_scale")]
+        out = {}
+        for e in range(p.shape[0]):
+            out[f"{base}{e}.gate_proj.weight_scale_inv"] = Slot(name, e, (0, nb), src)
+            out[f"{base}{e}.up_proj.weight_scale_inv"] = Slot(name, e, (nb, 2 * nb), src)
+        return out
+    if name.endswith("experts.w2_scale"):
+        src = _source(shard, p.shape[2])
+        base = hf[: -len("w2_scale")]
+        return {f"{base}{e}.down_proj.weight_scale_inv": Slot(name, e, src=src) for e in range(p.shape[0])}
     if shard is None:
         return {hf: Slot(name)}
     local = p.shape[shard.dim]
@@ -155,30 +168,28 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
                  layout: dict[str, Slot] | None = None, desc: str = "loading weights",
                  ignore_prefixes: tuple[str, ...] = ()) -> None:
     """Copy named checkpoint tensors into ``model``; every parameter must be filled exactly once. The tensors
-    may also be safetensors slices (``get_slice``), of which only this rank's part is read."""
+    may also be safetensors slices (``get_slice``), of which only this rank's part is read.
+
+    fp8: an fp8 tensor bound for a non-fp8 parameter (the layers an fp8 checkpoint quantises but baton keeps in
+    bf16) is dequantised with its ``weight_scale_inv``; a non-fp8 tensor bound for an fp8 expert parameter
+    (``--quantization fp8`` on a bf16 checkpoint) is quantised here, filling the matching scale slot too."""
     layout = hf_layout(model) if layout is None else layout
     params = dict(model.named_parameters())
-    filled: set[str] = set()
+    loader = _Loader(layout, params)
     unexpected: list[str] = []
     bar = tqdm(tensors, total=total, desc=desc, unit="tensor", disable=env.disable_progress(), leave=False)
     with torch.no_grad():
         for name, tensor in bar:
-            slot = layout.get(name)
-            if slot is None:
-                if not _IGNORED.search(name) and not name.startswith(ignore_prefixes):
-                    unexpected.append(name)
-                continue
-            dst = slot.view(params)
-            slot.check_source(name, _shape(tensor))
-            part = slot.take(tensor)
-            if tuple(part.shape) != tuple(dst.shape):
-                what = "" if slot.src is None else " (this rank's part)"
-                raise CheckpointError(
-                    f"tensor {name}: expected shape {tuple(dst.shape)}{what}, found {tuple(part.shape)}"
-                )
-            dst.copy_(part.to(dst.dtype))
-            filled.add(name)
-    missing = [n for n in layout if n not in filled]
+            if name in layout:
+                loader.load(name, tensor)
+            elif name.endswith(".weight_scale_inv"):
+                loader.scale(name[: -len("_scale_inv")], tensor)
+            elif not _IGNORED.search(name) and not name.startswith(ignore_prefixes):
+                unexpected.append(name)
+    if loader.pending:
+        name = next(iter(loader.pending))
+        raise CheckpointError(f"tensor {name} is fp8 but the checkpoint has no {name}_scale_inv")
+    missing = [n for n in layout if n not in loader.filled]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         expected = tuple(layout[missing[0]].view(params).shape)
@@ -186,6 +197,72 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
                               f"missing: {', '.join(missing[:5])}{more}")
     if unexpected:
         log.warning("ignoring %d checkpoint tensors baton does not use, e.g. %s", len(unexpected), unexpected[0])
+
+
+class _Loader:
+    """Copies checkpoint tensors into their slots, converting between fp8 and the parameter dtype on the way."""
+
+    def __init__(self, layout: dict[str, Slot], params: dict[str, torch.Tensor]) -> None:
+        self.layout, self.params = layout, params
+        self.filled: set[str] = set()
+        self.scales: dict[str, torch.Tensor] = {}  # dense fp8 weights' scale_inv, by weight name
+        self.pending: dict[str, object] = {}  # dense fp8 weights waiting for their scale
+
+    def load(self, name: str, tensor) -> None:
+        from baton.ops.quant import FP8_DTYPE
+
+        dst = self.layout[name].view(self.params)
+        if _is_fp8(tensor) and dst.dtype != FP8_DTYPE and not name.endswith("_scale_inv"):
+            if name not in self.scales:
+                self.pending[name] = tensor
+                return
+            tensor = _dequantize(tensor, self.scales.pop(name), dst.dtype)
+        elif dst.dtype == FP8_DTYPE and not _is_fp8(tensor):
+            self._quantize(name, tensor)
+            return
+        self._copy(name, tensor)
+
+    def scale(self, weight_name: str, tensor) -> None:
+        self.scales[weight_name] = _full(tensor)
+        if weight_name in self.pending:
+            self.load(weight_name, self.pending.pop(weight_name))
+
+    def _quantize(self, name: str, tensor) -> None:
+        from baton.ops.quant import quantize_fp8_block
+
+        scale_name = name + "_scale_inv"
+        if scale_name not in self.layout:
+            raise CheckpointError(f"tensor {name}: an fp8 parameter without a scale slot {scale_name}")
+        q, s = quantize_fp8_block(_full(tensor))
+        self._copy(name, q)
+        self._copy(scale_name, s)
+
+    def _copy(self, name: str, tensor) -> None:
+        slot = self.layout[name]
+        dst = slot.view(self.params)
+        slot.check_source(name, _shape(tensor))
+        part = slot.take(tensor)
+        if tuple(part.shape) != tuple(dst.shape):
+            what = "" if slot.src is None else " (this rank's part)"
+            raise CheckpointError(f"tensor {name}: expected shape {tuple(dst.shape)}{what}, found {tuple(part.shape)}")
+        dst.copy_(part.to(dst.dtype))
+        self.filled.add(name)
+
+
+def _full(tensor) -> torch.Tensor:
+    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+
+
+def _is_fp8(tensor) -> bool:
+    if isinstance(tensor, torch.Tensor):
+        return tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return str(tensor.get_dtype()).startswith("F8")
+
+
+def _dequantize(tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    from baton.ops.quant import dequantize_fp8_block
+
+    return dequantize_fp8_block(_full(tensor), scale_inv, dtype)
 
 
 def _shape(tensor) -> tuple[int, ...]:
@@ -268,16 +345,22 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, full_model: nn.Module | 
     if full_model is not None:
         _init_dummy_sliced(model, full_model, seed)
         return
+    params = dict(model.named_parameters())
     with torch.no_grad():
         for name, p in tqdm(list(model.named_parameters()), desc="dummy weights", unit="tensor",
                             disable=env.disable_progress(), leave=False):
             if p.device.type != "meta":
-                _init_param(name, p, seed)
+                _init_param(name, p, seed, params)
 
 
-def _init_param(name: str, p: torch.Tensor, seed: int) -> None:
+def _init_param(name: str, p: torch.Tensor, seed: int, params: dict[str, torch.Tensor] | None = None) -> None:
     gen = torch.Generator(device=p.device).manual_seed(_seed_for(seed, name))
     leaf = name.rsplit(".", 1)[-1]
+    if leaf in ("w13_scale", "w2_scale"):
+        return  # filled with their fp8 weights
+    if p.dtype == torch.float8_e4m3fn:
+        _init_fp8_experts(name, p, gen, params)
+        return
     if name.endswith("norm.weight") or "layernorm" in name or leaf in ("enorm", "hnorm"):
         p.fill_(1.0)
     elif leaf == "A_log":
@@ -293,6 +376,20 @@ def _init_param(name: str, p: torch.Tensor, seed: int) -> None:
     else:
         fan_in = p.shape[-1]
         p.normal_(0.0, fan_in**-0.5, generator=gen)
+
+
+def _init_fp8_experts(name: str, p: torch.Tensor, gen: torch.Generator, params: dict[str, torch.Tensor]) -> None:
+    """Dummy fp8 experts: each expert drawn in fp32 (N(0, 1/fan_in)) and block-quantised, one at a time."""
+    from baton.ops.quant import quantize_fp8_block, quantize_fp8_gate_up
+
+    scale = params[name + "_scale"]
+    quantize = quantize_fp8_gate_up if name.endswith("w13") else quantize_fp8_block
+    for e in range(p.shape[0]):
+        w = torch.empty(p.shape[1:], device=p.device, dtype=torch.float32).normal_(0.0, p.shape[-1] ** -0.5,
+                                                                                     generator=gen)
+        q, s = quantize(w)
+        p[e].copy_(q)
+        scale[e].copy_(s)
 
 
 def _init_dummy_sliced(model: nn.Module, full_model: nn.Module, seed: int) -> None:
@@ -325,7 +422,7 @@ def save_hf_checkpoint(model: nn.Module, cfg: ModelConfig | dict, path: str, max
     size = 0
     for name, slot in layout.items():
         t = slot.view(params).detach()
-        if dtype is not None and t.is_floating_point() and t.dtype != torch.float32:
+        if dtype is not None and t.is_floating_point() and t.dtype not in (torch.float32, torch.float8_e4m3fn):
             t = t.to(dtype)
         t = t.contiguous().cpu().clone()
         if size + t.nbytes > max_shard_bytes and shards[-1]:

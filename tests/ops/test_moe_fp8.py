@@ -9,7 +9,14 @@ import os
 import pytest
 import torch
 
-from baton.ops.quant import FP8_DTYPE, dequantize_fp8_block, quantize_fp8_block, scale_shape
+from baton.ops.quant import (
+    FP8_DTYPE,
+    dequantize_fp8_block,
+    dequantize_fp8_gate_up,
+    quantize_fp8_block,
+    quantize_fp8_gate_up,
+    scale_shape,
+)
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -54,12 +61,12 @@ def test_fp8_fused_experts_match_dequantised_reference(num_tokens, limit):
     gen = torch.Generator().manual_seed(num_tokens)
     w13 = torch.randn(e, 2 * inter, d, generator=gen) * d**-0.5
     w2 = torch.randn(e, d, inter, generator=gen) * inter**-0.5
-    (q13, s13), (q2, s2) = quantize_fp8_block(w13), quantize_fp8_block(w2)
+    (q13, s13), (q2, s2) = quantize_fp8_gate_up(w13), quantize_fp8_block(w2)
     x = torch.randn(num_tokens, d, generator=gen)
     ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(num_tokens)])
     weights = torch.rand(num_tokens, k, generator=gen) + 0.1
     residual = torch.randn(num_tokens, d, generator=gen)
-    ref = fused_experts(x, dequantize_fp8_block(q13, s13, torch.float32), dequantize_fp8_block(q2, s2, torch.float32),
+    ref = fused_experts(x, dequantize_fp8_gate_up(q13, s13, torch.float32), dequantize_fp8_block(q2, s2, torch.float32),
                         ids, weights, limit) + residual
     cfg = mt.MoEConfig(up=mt.MoETile(16, 32, 4, 2), down=mt.MoETile(16, 32, 4, 2))
     to = lambda t: t.to(DEVICE)  # noqa: E731
@@ -74,10 +81,10 @@ def test_fp8_reference_dispatch_dequantises():
 
     e, d, inter = 4, 64, 32
     w13, w2 = torch.randn(e, 2 * inter, d) * 0.1, torch.randn(e, d, inter) * 0.1
-    (q13, s13), (q2, s2) = quantize_fp8_block(w13), quantize_fp8_block(w2)
+    (q13, s13), (q2, s2) = quantize_fp8_gate_up(w13), quantize_fp8_block(w2)
     x, ids, weights = torch.randn(2, d), torch.tensor([[0, 3], [1, 3]]), torch.rand(2, 2)
     got = moe_experts(x, q13, q2, ids, weights, w13_scale=s13, w2_scale=s2)
-    dq13, dq2 = dequantize_fp8_block(q13, s13, x.dtype), dequantize_fp8_block(q2, s2, x.dtype)
+    dq13, dq2 = dequantize_fp8_gate_up(q13, s13, x.dtype), dequantize_fp8_block(q2, s2, x.dtype)
     want = fused_experts(x, dq13, dq2, ids, weights)
     torch.testing.assert_close(got, want.to(x.dtype))
 
@@ -91,10 +98,10 @@ def test_fp8_fused_experts_ling_shapes(num_tokens):
     e, d, inter, k = 512, 2560, 768, 8
     w13 = torch.randn(e, 2 * inter, d, device=DEVICE, dtype=torch.bfloat16) * d**-0.5
     w2 = torch.randn(e, d, inter, device=DEVICE, dtype=torch.bfloat16) * inter**-0.5
-    (q13, s13), (q2, s2) = quantize_fp8_block(w13), quantize_fp8_block(w2)
+    (q13, s13), (q2, s2) = quantize_fp8_gate_up(w13), quantize_fp8_block(w2)
     x = torch.randn(num_tokens, d, device=DEVICE, dtype=torch.bfloat16)
     ids = torch.stack([torch.randperm(e, device=DEVICE)[:k] for _ in range(num_tokens)])
     weights = torch.rand(num_tokens, k, device=DEVICE) + 0.1
-    ref = fused_experts_dense_gather(x, dequantize_fp8_block(q13, s13), dequantize_fp8_block(q2, s2), ids, weights)
+    ref = fused_experts_dense_gather(x, dequantize_fp8_gate_up(q13, s13), dequantize_fp8_block(q2, s2), ids, weights)
     out = mt.fused_experts_decode(x, q13, q2, ids, weights, w13_scale=s13, w2_scale=s2)
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2

@@ -56,9 +56,9 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
                                                    residual=residual, shared_out=shared_out,
                                                    w13_scale=w13_scale, w2_scale=w2_scale)
     if w13_scale is not None:
-        from baton.ops.quant import dequantize_fp8_block
+        from baton.ops.quant import dequantize_fp8_block, dequantize_fp8_gate_up
 
-        w13, w2 = dequantize_fp8_block(w13, w13_scale, x.dtype), dequantize_fp8_block(w2, w2_scale, x.dtype)
+        w13, w2 = dequantize_fp8_gate_up(w13, w13_scale, x.dtype), dequantize_fp8_block(w2, w2_scale, x.dtype)
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     routed = fused_experts_dense_gather if capturing else fused_experts
     y = routed(x, w13, w2, topk_ids, topk_weights, swiglu_limit)

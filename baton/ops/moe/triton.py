@@ -275,7 +275,7 @@ def moe_up_direct_kernel(
     HIDDEN: tl.constexpr, INTER: tl.constexpr, stride_xt, stride_we, stride_wn, stride_at, limit,
     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     HAS_LIMIT: tl.constexpr, USE_PDL: tl.constexpr,
-    s_ptr=None, stride_se=0, stride_sn=0,  # fp8: scale_inv [E, ceil(2I/SB), ceil(HIDDEN/SB)]
+    s_ptr=None, stride_se=0, stride_sn=0,  # fp8: scale_inv [E, 2*ceil(I/SB), ceil(HIDDEN/SB)]: gate blocks, up blocks
     HAS_SCALE: tl.constexpr = False, SB: tl.constexpr = 128,
 ):
     pid_n = tl.program_id(0)
@@ -302,7 +302,8 @@ def moe_up_direct_kernel(
         if HAS_SCALE:  # block scales applied in registers; BLOCK_K divides SB so one scale column per chunk
             s_row = s_ptr + e * stride_se + (k0 // SB)
             wg = wg * tl.load(s_row + (offs_n // SB) * stride_sn, mask=mask_n, other=0.0)[:, None]
-            wu = wu * tl.load(s_row + ((INTER + offs_n) // SB) * stride_sn, mask=mask_n, other=0.0)[:, None]
+            up_row0: tl.constexpr = (INTER + SB - 1) // SB  # gate and up are quantised separately (checkpoint parts)
+            wu = wu * tl.load(s_row + (up_row0 + offs_n // SB) * stride_sn, mask=mask_n, other=0.0)[:, None]
         acc_g += wg * xk[None, :]
         acc_u += wu * xk[None, :]
     act = _swiglu(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), limit, HAS_LIMIT)

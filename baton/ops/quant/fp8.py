@@ -46,3 +46,18 @@ def dequantize_fp8_block(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.
     out = blocks * scale_inv[..., :, None, :, None]
     out = out.reshape(*q.shape[:-2], blocks.shape[-4] * block, blocks.shape[-2] * block)[..., :n, :k]
     return out.to(dtype)
+
+
+def quantize_fp8_gate_up(w13: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused [..., 2I, K] gate|up rows quantised as the checkpoint stores them, each half on its own: returns fp8
+    [..., 2I, K] and scale_inv [..., 2 * ceil(I/b), ceil(K/b)] (gate blocks, then up blocks)."""
+    gate, up = w13.chunk(2, dim=-2)
+    (qg, sg), (qu, su) = quantize_fp8_block(gate, block), quantize_fp8_block(up, block)
+    return torch.cat([qg, qu], dim=-2), torch.cat([sg, su], dim=-2)
+
+
+def dequantize_fp8_gate_up(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                           block: int = BLOCK) -> torch.Tensor:
+    qg, qu = q.chunk(2, dim=-2)
+    sg, su = scale_inv.chunk(2, dim=-2)
+    return torch.cat([dequantize_fp8_block(qg, sg, dtype, block), dequantize_fp8_block(qu, su, dtype, block)], -2)
