@@ -400,13 +400,20 @@ def _init_dummy_sliced(model: nn.Module, full_model: nn.Module, seed: int) -> No
     params = dict(model.named_parameters())
     device = next(iter(params.values())).device
     with torch.no_grad():
-        for name, p in tqdm(list(full_model.named_parameters()), desc="dummy weights", unit="tensor",
+        full_params = dict(full_model.named_parameters())
+        for name, p in tqdm(list(full_params.items()), desc="dummy weights", unit="tensor",
                             disable=env.disable_progress(), leave=False):
-            full = torch.empty(p.shape, dtype=p.dtype, device=device)
-            _init_param(name, full, seed)
-            for ckpt in names_of.get(name, []):
-                mine = layout[ckpt]
-                mine.view(params).copy_(mine.take(full_layout[ckpt].view({name: full})))
+            if name.endswith(("w13_scale", "w2_scale")):
+                continue  # drawn with their fp8 weights
+            fulls = {name: torch.empty(p.shape, dtype=p.dtype, device=device)}
+            if name + "_scale" in full_params:  # fp8 experts: the weight and its block scales together
+                scale = full_params[name + "_scale"]
+                fulls[name + "_scale"] = torch.empty(scale.shape, dtype=scale.dtype, device=device)
+            _init_param(name, fulls[name], seed, fulls)
+            for full_name in fulls:
+                for ckpt in names_of.get(full_name, []):
+                    mine = layout[ckpt]
+                    mine.view(params).copy_(mine.take(full_layout[ckpt].view(fulls)))
 
 
 def save_hf_checkpoint(model: nn.Module, cfg: ModelConfig | dict, path: str, max_shard_bytes: int = 2 << 30,
