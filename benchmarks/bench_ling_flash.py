@@ -3,6 +3,7 @@ and 6-token verify step times, the census, and NEXTN (5, 1, 6) TPOT at simulated
 8192 input / 1024 output tokens, batch 1, greedy.
 
     python benchmarks/bench_ling_flash.py [--num-layers 18] [--input-len 8192] [--output-len 1024]
+    python benchmarks/bench_ling_flash.py --num-layers 42 --quantization fp8     # the whole model on one H200
 
 The floor of each step is printed by the census: bytes touched (dense weights once, each distinct expert once,
 KDA states read and written, the MLA latent cache read, the draft's reads) over 4.2 TB/s.
@@ -54,7 +55,8 @@ def run_mode(args, path: str, spec: dict) -> dict:
 
     server_args = ServerArgs(model_path=path, load_format="dummy", device="cuda", dtype="bfloat16",
                              json_model_override_args=json.dumps({"num_hidden_layers": args.num_layers}),
-                             context_length=args.input_len + args.output_len + 64, spec=SpecConfig(**spec))
+                             context_length=args.input_len + args.output_len + 64, spec=SpecConfig(**spec),
+                             quantization=args.quantization)
     engine = Engine(server_args)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 150000, (args.input_len,), generator=gen).tolist()
@@ -80,6 +82,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--num-requests", type=int, default=2)
     p.add_argument("--modes", default="plain,nextn")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8 experts: the whole 42-layer model (+ MTP) fits one H200 (about 133 GB)")
     args = p.parse_args()
     path = flash_dir()
     modes = {"plain": {}, "nextn": {"algorithm": "NEXTN", "num_steps": 5, "eagle_topk": 1, "num_draft_tokens": 6,
@@ -89,7 +93,8 @@ def main() -> None:
     for name in args.modes.split(","):
         record[name] = run_mode(args, path, modes[name])
         print(name, json.dumps({k: v for k, v in record[name].items() if k not in ("runs", "census")}))
-    save(f"ling_flash_{args.num_layers}l", record)
+    record["quantization"] = args.quantization
+    save(f"ling_flash_{args.num_layers}l{'_fp8' if args.quantization else ''}", record)
 
 
 if __name__ == "__main__":
