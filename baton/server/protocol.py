@@ -443,82 +443,37 @@ class NativeStreamEncoder:
         return f'{{"text":"{self._text_json}","output_ids":[{self._ids_json}],"meta_info":{meta}}}'
 
 
+def _envelope(acc: Accumulated, model: str, obj: str, choice: dict[str, Any] | None, usage: bool) -> dict[str, Any]:
+    """The OpenAI response / chunk object around one choice (none for a usage-only chunk)."""
+    out = {"id": acc.rid, "object": obj, "created": acc.created, "model": model,
+           "choices": [] if choice is None else [choice]}
+    if usage:
+        out["usage"] = acc.usage()
+    return out
+
+
+def _choice(acc: Accumulated, finished: bool, **content: Any) -> dict[str, Any]:
+    return {"index": 0, **content, "logprobs": None,
+            "finish_reason": openai_finish_reason(acc.finish_reason) if finished else None,
+            "matched_stop": matched_stop(acc.finish_reason) if finished else None}
+
+
 def completion_response(acc: Accumulated, model: str) -> dict[str, Any]:
-    choice = {
-        "index": 0,
-        "text": acc.text,
-        "logprobs": None,
-        "finish_reason": openai_finish_reason(acc.finish_reason),
-        "matched_stop": matched_stop(acc.finish_reason),
-    }
-    return {
-        "id": acc.rid,
-        "object": "text_completion",
-        "created": acc.created,
-        "model": model,
-        "choices": [choice],
-        "usage": acc.usage(),
-    }
+    return _envelope(acc, model, "text_completion", _choice(acc, True, text=acc.text), usage=True)
 
 
 def completion_chunk(acc: Accumulated, model: str, text: str, finished: bool) -> dict[str, Any]:
-    choice = {
-        "index": 0,
-        "text": text,
-        "logprobs": None,
-        "finish_reason": openai_finish_reason(acc.finish_reason) if finished else None,
-        "matched_stop": matched_stop(acc.finish_reason) if finished else None,
-    }
-    return {
-        "id": acc.rid,
-        "object": "text_completion",
-        "created": acc.created,
-        "model": model,
-        "choices": [choice],
-    }
+    return _envelope(acc, model, "text_completion", _choice(acc, finished, text=text), usage=False)
 
 
 def chat_response(acc: Accumulated, model: str) -> dict[str, Any]:
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": acc.text, "reasoning_content": None, "tool_calls": None},
-        "logprobs": None,
-        "finish_reason": openai_finish_reason(acc.finish_reason),
-        "matched_stop": matched_stop(acc.finish_reason),
-    }
-    return {
-        "id": acc.rid,
-        "object": "chat.completion",
-        "created": acc.created,
-        "model": model,
-        "choices": [choice],
-        "usage": acc.usage(),
-    }
+    message = {"role": "assistant", "content": acc.text, "reasoning_content": None, "tool_calls": None}
+    return _envelope(acc, model, "chat.completion", _choice(acc, True, message=message), usage=True)
 
 
 def chat_chunk(acc: Accumulated, model: str, delta: dict[str, Any], finished: bool) -> dict[str, Any]:
-    choice = {
-        "index": 0,
-        "delta": delta,
-        "logprobs": None,
-        "finish_reason": openai_finish_reason(acc.finish_reason) if finished else None,
-        "matched_stop": matched_stop(acc.finish_reason) if finished else None,
-    }
-    return {
-        "id": acc.rid,
-        "object": "chat.completion.chunk",
-        "created": acc.created,
-        "model": model,
-        "choices": [choice],
-    }
+    return _envelope(acc, model, "chat.completion.chunk", _choice(acc, finished, delta=delta), usage=False)
 
 
 def usage_chunk(acc: Accumulated, model: str, obj: str) -> dict[str, Any]:
-    return {
-        "id": acc.rid,
-        "object": obj,
-        "created": acc.created,
-        "model": model,
-        "choices": [],
-        "usage": acc.usage(),
-    }
+    return _envelope(acc, model, obj, None, usage=True)
