@@ -94,7 +94,7 @@ class Engine:
                 if isinstance(m, SparseMoE):
                     m.use_fp32_router()
 
-    # ---- public API (baton/engine/README.contract.md) ----
+    # ---- public API (docs/engine-api.md) ----
 
     def validate_request(self, req: Request) -> None:
         req.sampling.validate()
