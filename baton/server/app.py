@@ -3,7 +3,7 @@
 Owns ``create_app(engine, server_args)`` and ``run_server(server_args, engine_factory)``. Routes parse and
 validate on the event loop, hand a ``Request`` to the single engine thread (``worker.py``) and stream its
 ``StepOutput``s back. The server talks to the engine only through the contract in
-``baton/engine/README.contract.md``; it never imports models or ops.
+``docs/engine-api.md``; it never imports models or ops.
 """
 
 from __future__ import annotations

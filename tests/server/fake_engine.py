@@ -1,4 +1,4 @@
-"""A deterministic stand-in for ``baton.engine.Engine`` (baton/engine/README.contract.md) for server tests.
+"""A deterministic stand-in for ``baton.engine.Engine`` (docs/engine-api.md) for server tests.
 
 ``CharTokenizer`` maps each UTF-8 byte to one token (plus BOS when asked for special tokens).
 ``FakeEngine.generate`` emits the letters of ``continuation(input_ids)`` one token per step
