@@ -120,32 +120,9 @@ def hf_layout(model: nn.Module, prefix_map: list[tuple[str, str]] | None = None)
 
 def _param_slots(name: str, hf: str, p: torch.Tensor, shard) -> dict[str, Slot]:
     """Slots of one parameter that is not a row split: stacked experts expand to one per expert."""
-    if name.endswith("experts.w13"):
-        inter = p.shape[1] // 2
-        src = _source(shard, inter)
-        base = hf[: -len("w13")]
-        out = {}
-        for e in range(p.shape[0]):
-            out[f"{base}{e}.gate_proj.weight"] = Slot(name, e, (0, inter), src)
-            out[f"{base}{e}.up_proj.weight"] = Slot(name, e, (inter, 2 * inter), src)
-        return out
-    if name.endswith("experts.w2"):
-        src = _source(shard, p.shape[2])
-        base = hf[: -len("w2")]
-        return {f"{base}{e}.down_proj.weight": Slot(name, e, src=src) for e in range(p.shape[0])}
-    if name.endswith("experts.w13_scale"):  # fp8 block scales: per checkpoint tensor, gate blocks then up blocks
-        nb = p.shape[1] // 2
-        src = _source(shard, nb)
-        base = hf[: -len("w13_scale")]
-        out = {}
-        for e in range(p.shape[0]):
-            out[f"{base}{e}.gate_proj.weight_scale_inv"] = Slot(name, e, (0, nb), src)
-            out[f"{base}{e}.up_proj.weight_scale_inv"] = Slot(name, e, (nb, 2 * nb), src)
-        return out
-    if name.endswith("experts.w2_scale"):
-        src = _source(shard, p.shape[2])
-        base = hf[: -len("w2_scale")]
-        return {f"{base}{e}.down_proj.weight_scale_inv": Slot(name, e, src=src) for e in range(p.shape[0])}
+    attr = name.rsplit(".", 1)[-1]
+    if attr in _EXPERT_SUFFIX and name.endswith(f"experts.{attr}"):
+        return _expert_slots(name, hf[: -len(attr)], attr, p, shard)
     if shard is None:
         return {hf: Slot(name)}
     local = p.shape[shard.dim]
@@ -154,6 +131,26 @@ def _param_slots(name: str, hf: str, p: torch.Tensor, shard) -> dict[str, Slot]:
     if shard.valid is not None and shard.valid < local:  # vocabulary padding: the tail rows are not in the file
         rows = (0, shard.valid)
     return {hf: Slot(name, rows=rows, src=src)}
+
+
+# Stacked expert parameters -> the suffix of their per-expert checkpoint tensors (fp8 scales: weight_scale_inv).
+_EXPERT_SUFFIX = {"w13": "weight", "w2": "weight", "w13_scale": "weight_scale_inv", "w2_scale": "weight_scale_inv"}
+
+
+def _expert_slots(name: str, base: str, attr: str, p: torch.Tensor, shard) -> dict[str, Slot]:
+    """One slot per expert: w13 (and its scales) hold gate rows then up rows, w2 (and its scales) the down
+    projection; under tensor parallelism each keeps this rank's block along the intermediate dimension."""
+    suffix = _EXPERT_SUFFIX[attr]
+    if attr.startswith("w13"):
+        half = p.shape[1] // 2
+        src = _source(shard, half)
+        out = {}
+        for e in range(p.shape[0]):
+            out[f"{base}{e}.gate_proj.{suffix}"] = Slot(name, e, (0, half), src)
+            out[f"{base}{e}.up_proj.{suffix}"] = Slot(name, e, (half, 2 * half), src)
+        return out
+    src = _source(shard, p.shape[2])
+    return {f"{base}{e}.down_proj.{suffix}": Slot(name, e, src=src) for e in range(p.shape[0])}
 
 
 def is_sharded(layout: dict[str, Slot]) -> bool:
