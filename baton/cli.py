@@ -7,6 +7,7 @@ an SGLang launch line works after replacing ``python -m sglang.launch_server`` w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -44,7 +45,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-algorithm", default=None,
                    help="NEXTN (alias EAGLE): MTP chain drafter; DSPARK: block drafter with Markov and confidence "
-                        "heads; DFLASH: the plain block backbone")
+                        "heads; DFLASH: the plain block backbone; none: plain decoding. The embedded model "
+                        "speculates by default with the drafts shipped in baton/drafts (DSpark)")
     s.add_argument("--speculative-draft-model-path", default=None,
                    help="draft checkpoint (a NEXTN head or a DSpark/DFlash drafter)")
     s.add_argument("--speculative-num-steps", type=int, default=None, help="NEXTN chain length")
@@ -68,15 +70,20 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def server_args_from(ns: argparse.Namespace) -> ServerArgs:
+    from baton.spec.shipped import DISABLE, with_shipped_drafts
+
+    requested = ns.speculative_algorithm
     spec = SpecConfig(
-        algorithm=ns.speculative_algorithm, draft_model_path=ns.speculative_draft_model_path,
+        algorithm=None if requested is not None and requested.lower() in DISABLE else requested,
+        draft_model_path=ns.speculative_draft_model_path,
         num_steps=ns.speculative_num_steps, eagle_topk=ns.speculative_eagle_topk,
         num_draft_tokens=ns.speculative_num_draft_tokens, simulate_accept_len=ns.speculative_simulate_accept_len,
         dspark_sps_table_path=ns.speculative_dspark_sps_table_path,
         dspark_confidence_sts_path=ns.speculative_dspark_confidence_sts_path,
     )
     fields = {k: v for k, v in vars(ns).items() if k in ServerArgs.__dataclass_fields__ and k != "spec"}
-    return ServerArgs(**fields, spec=spec)
+    args = ServerArgs(**fields, spec=spec)
+    return dataclasses.replace(args, spec=with_shipped_drafts(spec, args.is_embedded, requested))
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:

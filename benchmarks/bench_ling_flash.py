@@ -4,6 +4,7 @@ and 6-token verify step times, the census, and NEXTN (5, 1, 6) TPOT at simulated
 
     python benchmarks/bench_ling_flash.py [--num-layers 18] [--input-len 8192] [--output-len 1024]
     python benchmarks/bench_ling_flash.py --num-layers 42 --quantization fp8     # the whole model on one H200
+    python benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2            # the whole model, bf16, TP2
 
 The floor of each step is printed by the census: bytes touched (dense weights once, each distinct expert once,
 KDA states read and written, the MLA latent cache read, the draft's reads) over 4.2 TB/s.
@@ -48,6 +49,27 @@ def graph_times(engine, repeats: int = 50) -> dict[str, float]:
     return out
 
 
+def _prompt(args) -> list[int]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, 150000, (args.input_len,), generator=gen).tolist()
+
+
+def _timed_runs(engine, args) -> list[dict]:
+    prompt = _prompt(args)
+    timed_request(engine, prompt[:512], 16)  # warm
+    return [timed_request(engine, prompt, args.output_len) for _ in range(args.num_requests)]
+
+
+def _tp_leader(engine, args) -> dict:
+    """Rank 0 under --tp-size > 1: the timed requests (mirrored on every rank by TPEngine). The census replays
+    one rank's graphs alone, which a collective inside them cannot do, so it is left out at TP > 1."""
+    import torch.distributed as tdist
+
+    runs = _timed_runs(engine, args)
+    return {"runs": runs, "gpu_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
+            "world_size": tdist.get_world_size() if tdist.is_initialized() else 1}
+
+
 def run_mode(args, path: str, spec: dict) -> dict:
     from baton.bench.census import _prepare, format_census, run_census
     from baton.config import ServerArgs, SpecConfig
@@ -56,12 +78,18 @@ def run_mode(args, path: str, spec: dict) -> dict:
     server_args = ServerArgs(model_path=path, load_format="dummy", device="cuda", dtype="bfloat16",
                              json_model_override_args=json.dumps({"num_hidden_layers": args.num_layers}),
                              context_length=args.input_len + args.output_len + 64, spec=SpecConfig(**spec),
-                             quantization=args.quantization)
+                             quantization=args.quantization, tp_size=args.tp_size)
+    if args.tp_size > 1:
+        from baton.engine.tp import run_tp
+        from benchmarks.bench_ling_flash import _tp_leader as leader  # by module name: spawned ranks import it
+
+        out = run_tp(server_args, leader, (args,))
+        runs = out["runs"]
+        return {"spec": spec, "tp_size": args.tp_size, "tpot_ms": summarize(runs, "tpot_ms"),
+                "ttft_ms": summarize(runs, "ttft_ms"), "accept_length": summarize(runs, "accept_length"),
+                "gpu_mem_gb_rank0": out["gpu_mem_gb"], "runs": runs}
     engine = Engine(server_args)
-    gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, 150000, (args.input_len,), generator=gen).tolist()
-    timed_request(engine, prompt[:512], 16)  # warm
-    runs = [timed_request(engine, prompt, args.output_len) for _ in range(args.num_requests)]
+    runs = _timed_runs(engine, args)
     census = run_census(engine, args.input_len, num_steps=50, profile_steps_n=10)
     print(format_census(census))
     _prepare(engine, args.input_len)
@@ -82,6 +110,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--num-requests", type=int, default=2)
     p.add_argument("--modes", default="plain,nextn")
+    p.add_argument("--tp-size", type=int, default=1, help="ranks (one GPU each); no census at TP > 1")
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8 experts: the whole 42-layer model (+ MTP) fits one H200 (about 133 GB)")
     args = p.parse_args()
@@ -94,7 +123,10 @@ def main() -> None:
         record[name] = run_mode(args, path, modes[name])
         print(name, json.dumps({k: v for k, v in record[name].items() if k not in ("runs", "census")}))
     record["quantization"] = args.quantization
-    save(f"ling_flash_{args.num_layers}l{'_fp8' if args.quantization else ''}", record)
+    record["tp_size"] = args.tp_size
+    tp = f"_tp{args.tp_size}" if args.tp_size > 1 else ""
+    modes = "" if args.modes == "plain,nextn" else "_" + args.modes.replace(",", "-")
+    save(f"ling_flash_{args.num_layers}l{'_fp8' if args.quantization else ''}{tp}{modes}", record)
 
 
 if __name__ == "__main__":

@@ -413,6 +413,20 @@ def _init_dummy_sliced(model: nn.Module, full_model: nn.Module, seed: int) -> No
                     mine.view(params).copy_(mine.take(full_layout[ckpt].view(fulls)))
 
 
+def cast_checkpoint(path: str, dtype: torch.dtype) -> None:
+    """Rewrite the safetensors files of a checkpoint directory with every floating tensor in ``dtype`` (drafts
+    train in fp32 and ship in bf16). fp8 weights and their scales are left as they are."""
+    for fn in safetensors_files(path):
+        with safe_open(fn, "pt") as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        keep = (torch.float8_e4m3fn,)
+        out = {k: (t.to(dtype) if t.is_floating_point() and t.dtype not in keep and not k.endswith("_scale_inv")
+                   else t).contiguous() for k, t in tensors.items()}
+        if any(out[k].dtype != tensors[k].dtype for k in out):
+            save_file(out, fn, metadata=meta)
+
+
 def save_hf_checkpoint(model: nn.Module, cfg: ModelConfig | dict, path: str, max_shard_bytes: int = 2 << 30,
                        dtype: torch.dtype | None = None, layout: dict[str, Slot] | None = None) -> None:
     """Write ``model`` in the Hugging Face layout (unfused names), sharded with an index when large."""

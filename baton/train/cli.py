@@ -85,6 +85,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-every", type=int, default=20, help="steps between log lines (all steps: metrics.json)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--prefetch", type=int, default=2, help="batches of target features computed ahead")
+    g.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the saved draft's weights (training itself runs in fp32; bf16 halves the file)")
     e = p.add_argument_group("evaluation (accept length through the Engine, greedy)")
     e.add_argument("--holdout-data", default=None, help="held-out records; their prompts are the eval prompts")
     e.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts decoded per evaluation")
@@ -138,7 +140,7 @@ def _train_options(ns: argparse.Namespace):
     return TrainOptions(output=ns.output, steps=ns.steps, epochs=ns.epochs, batch_size=ns.batch_size, lr=ns.lr,
                         min_lr_ratio=ns.min_lr_ratio, weight_decay=ns.weight_decay, warmup_frac=ns.warmup_frac,
                         grad_clip=ns.grad_clip, seed=ns.seed, log_every=ns.log_every, eval_every=ns.eval_every,
-                        max_seq_len=ns.max_seq_len, prefetch=ns.prefetch)
+                        max_seq_len=ns.max_seq_len, prefetch=ns.prefetch, save_dtype=ns.save_dtype)
 
 
 def _eval_spec(ns: argparse.Namespace, target, algorithm: str, num_steps: int | None = None):
@@ -229,10 +231,13 @@ def cmd_data(ns: argparse.Namespace) -> int:
                        samples_per_temperature=ns.samples_per_temperature, max_new_tokens=ns.max_new_tokens,
                        prompt_formats=tuple(ns.prompt_formats.split(",")), num_shots=ns.num_shots,
                        holdout_frac=ns.holdout_frac, holdout_output=ns.holdout_output, seed=ns.data_seed)
+    if ns.backend == "hf" and ns.num_workers > 1:
+        print("baton train data: --num-workers is for --backend engine (hf batches on one device)", file=sys.stderr)
+        return 2
     if ns.num_workers > 1:
         summary = build_dataset_parallel(args, opts, ns.num_workers)
     else:
-        summary = build_dataset(Engine(args), opts)
+        summary = build_dataset(Engine(args), opts, backend=ns.backend, gen_batch_size=ns.gen_batch_size)
     print(json.dumps(summary, indent=1))
     return 0
 
@@ -355,6 +360,10 @@ def _add_data(tsub: Any) -> None:
     g.add_argument("--num-workers", type=int, default=1,
                    help="processes generating in parallel, each with its own engine on --device (a small target "
                         "leaves the GPU mostly idle at batch 1); the output is the same as with one")
+    g.add_argument("--backend", default="engine", choices=list(data.BACKENDS),
+                   help="engine: baton's Engine, one request at a time; hf: batched generation through transformers "
+                        "with the target's weights (llama targets; much faster on a GPU)")
+    g.add_argument("--gen-batch-size", type=int, default=256, help="--backend hf: responses per batch")
     g.add_argument("--output", required=True, help="train records (JSONL)")
     g.add_argument("--holdout-output", default=None, help="held-out records (default: <output>.holdout.jsonl)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -164,6 +164,7 @@ class TrainOptions:
     eval_every: int = 0  # 0: evaluate the accept length only at the end (when an evaluator is given)
     max_seq_len: int = 2048
     prefetch: int = 2  # batches of target features computed ahead
+    save_dtype: str = "bfloat16"  # dtype of the saved draft's floating tensors (training runs in fp32)
 
 
 def lr_at(step: int, total: int, opts: TrainOptions) -> float:

@@ -19,7 +19,7 @@ from baton.config import ModelConfig, ServerArgs
 from baton.engine.engine import pick_device
 from baton.models.base import CausalLM
 from baton.models.load import load_target
-from baton.models.loader import parse_dtype
+from baton.models.loader import cast_checkpoint, parse_dtype
 from baton.train.common import History, Sample, Task, TrainOptions, batches, steps_for, train_loop, write_history
 from baton.train.evaluate import AcceptLengthEval, spec_args
 from baton.train.online import FeaturePrefetcher, TargetFeatures
@@ -78,6 +78,7 @@ def run_training(task: Task, target: FrozenTarget, layer_ids: Sequence[int], sam
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
     task.save(opts.output)
+    cast_checkpoint(opts.output, getattr(torch, opts.save_dtype))
     info = {"title": title, "train_options": asdict(opts), **(extra or {})}
     png = write_history(history, opts.output, title, info)
     with open(os.path.join(opts.output, "train_args.json"), "w") as f:

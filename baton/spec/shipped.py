@@ -1,0 +1,74 @@
+"""Drafts shipped with baton for the embedded SmolLM2-135M-Instruct, and the rule that serves them by default.
+
+``baton/drafts/smollm2-135m-instruct/`` holds a NEXTN head (``nextn/``) and a DSpark drafter (``dspark/``, with
+its STS temperatures in ``sts.json``), trained by ``baton/train/recipe_smollm2.sh``, and ``defaults.json``: the
+algorithm and verify window the embedded model is served with. ``baton generate``, ``serve``, ``eval`` and
+``gate`` on the embedded model speculate with them unless ``--speculative-algorithm none`` is given; naming an
+algorithm without ``--speculative-draft-model-path`` picks the shipped draft of that kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from importlib import resources
+
+from baton.config import SpecConfig
+
+log = logging.getLogger(__name__)
+
+DISABLE = ("none", "off", "disable", "disabled")
+_DIRS = {"NEXTN": "nextn", "EAGLE": "nextn", "DSPARK": "dspark", "DFLASH": "dspark"}
+
+
+def shipped_root() -> str:
+    return os.environ.get("BATON_SHIPPED_DRAFTS") or str(resources.files("baton") / "drafts" / "smollm2-135m-instruct")
+
+
+def shipped_draft(algorithm: str) -> str | None:
+    """The shipped draft directory for ``algorithm``, or None when this install has none."""
+    sub = _DIRS.get(algorithm.upper())
+    path = os.path.join(shipped_root(), sub) if sub else None
+    return path if path and os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def shipped_defaults() -> dict:
+    fn = os.path.join(shipped_root(), "defaults.json")
+    if not os.path.isfile(fn):
+        return {}
+    with open(fn) as f:
+        return json.load(f)
+
+
+def with_shipped_drafts(spec: SpecConfig, embedded: bool, requested: str | None) -> SpecConfig:
+    """Fill in the shipped drafts for the embedded model. ``requested`` is the raw ``--speculative-algorithm``
+    (None when not given; one of DISABLE turns speculation off)."""
+    if requested is not None and requested.lower() in DISABLE:
+        return dataclasses.replace(spec, algorithm=None)
+    if not embedded or spec.draft_model_path is not None:
+        return spec
+    if spec.algorithm is None:
+        if spec.simulate_accept_len is not None:
+            return spec
+        defaults = shipped_defaults()
+        algorithm = defaults.get("algorithm")
+        if algorithm is None or shipped_draft(algorithm) is None:
+            return spec
+        spec = dataclasses.replace(spec, algorithm=algorithm)
+        if spec.num_draft_tokens is None and spec.num_steps is None:
+            spec = dataclasses.replace(spec, num_draft_tokens=defaults.get("num_draft_tokens"),
+                                       num_steps=defaults.get("num_steps"))
+        log.info("speculating with the shipped %s draft (--speculative-algorithm none: plain decoding)", algorithm)
+    path = shipped_draft(spec.algorithm)
+    if path is None:
+        return spec
+    spec = dataclasses.replace(spec, draft_model_path=path)
+    sts = os.path.join(path, "sts.json")
+    if spec.algorithm == "DSPARK" and spec.dspark_confidence_sts_path is None and os.path.isfile(sts):
+        spec = dataclasses.replace(spec, dspark_confidence_sts_path=sts)
+    return SpecConfig(**dataclasses.asdict(spec))  # re-validate (NEXTN steps / window)
+
+
+__all__ = ["DISABLE", "shipped_defaults", "shipped_draft", "shipped_root", "with_shipped_drafts"]

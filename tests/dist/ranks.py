@@ -1,0 +1,69 @@
+"""What the spawned ranks of the tensor-parallel tests run: module-level functions, so that they pickle."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from baton import dist
+from baton.types import Request, SamplingParams
+
+
+def generate_all(engine, requests: list[tuple[list[int], dict]]) -> list[tuple[list[int], str, int]]:
+    """Rank 0's leader: run each (prompt ids, SamplingParams kwargs); (tokens, finish type, verify steps) each."""
+    out = []
+    for ids, kwargs in requests:
+        abort_after = kwargs.pop("abort_after", None)
+        should_abort = None if abort_after is None else _abort_after(abort_after)
+        tokens, reason, verify = [], "", 0
+        for o in engine.generate(Request(list(ids), SamplingParams(**kwargs)), should_abort):
+            tokens += o.token_ids
+            verify = o.num_verify_steps
+            if o.finished:
+                reason = (o.finish_reason or {}).get("type", "")
+        out.append((tokens, reason, verify))
+    engine.flush_cache()
+    return out
+
+
+def _abort_after(n: int):
+    """A should_abort that says yes from its (n+1)-th call on."""
+    calls = iter(range(10**9))
+    return lambda: next(calls) >= n
+
+
+def use_graph_program(engine) -> None:
+    """Every rank: run greedy requests through the CUDA-graph program (uncaptured, so it runs on CPU)."""
+    from baton.engine.graphs import CudaGraphs
+
+    engine.graphs = CudaGraphs(engine, capture=False)
+
+
+def sum_ranks(steps: int) -> float:
+    """Every rank: ``steps`` all-reduces of its rank + 1, counting progress like an engine inside a request."""
+    dist.set_busy(True)
+    total = 0.0
+    for _ in range(steps):
+        dist.progress()
+        total = float(dist.all_reduce(torch.tensor([dist.tp_rank() + 1.0]))[0])
+    dist.set_busy(False)
+    return total
+
+
+def fail_on(rank: int, how: str, at_step: int = 2) -> None:
+    """Every rank runs a loop of all-reduces; ``rank`` raises, hangs, or dies by a signal at ``at_step``."""
+    dist.set_busy(True)
+    for step in range(10):
+        if dist.tp_rank() == rank and step == at_step:
+            if how == "raise":
+                raise ValueError(f"boom on rank {rank}")
+            if how == "hang":
+                time.sleep(3600)
+            if how == "exit":
+                import os
+
+                os._exit(3)
+        dist.progress()
+        dist.all_reduce(torch.ones(4))
+    dist.set_busy(False)

@@ -1,0 +1,126 @@
+"""Tensor parallelism end to end on CPU: two gloo ranks give exactly the single-rank tokens, from the same
+checkpoint directory, for Ling (plain, NEXTN, the CUDA-graph program) and Llama (plain, a NEXTN head), greedy
+and sampled; an abort stops both ranks at the same step and the next request still agrees; ``baton generate``
+and ``baton serve`` with ``--tp-size 2`` start the ranks themselves."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from baton.cli import main as baton_main
+from baton.config import ServerArgs, SpecConfig
+from baton.engine.engine import Engine
+from baton.engine.tp import run_tp
+from tests.dist.ranks import generate_all, use_graph_program
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = [3, 5, 7, 11, 13, 17, 19, 23]
+GREEDY = dict(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+SAMPLED = dict(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=16, ignore_eos=True)
+
+
+def _args(path: str, tp: int, **spec) -> ServerArgs:
+    return ServerArgs(model_path=path, device="cpu", context_length=256, tp_size=tp, spec=SpecConfig(**spec))
+
+
+def _copy(requests):
+    return [(list(ids), dict(kw)) for ids, kw in requests]
+
+
+def _both(path: str, requests, setup=None, **spec):
+    """(single-rank results, two-rank results) of the same requests."""
+    engine = Engine(_args(path, 1, **spec))
+    if setup is not None:
+        setup(engine)
+    want = generate_all(engine, _copy(requests))
+    got = run_tp(_args(path, 2, **spec), generate_all, (_copy(requests),), setup=setup, rank0_in_caller=False,
+                 timeout_s=60)
+    return want, got
+
+
+def test_ling_tp2_equals_tp1_greedy_sampled_and_abort(ling_path):
+    requests = [(PROMPT, GREEDY), (PROMPT[:5], SAMPLED), (PROMPT, {**GREEDY, "abort_after": 0}),
+                (PROMPT[2:], GREEDY)]
+    want, got = _both(ling_path, requests)
+    assert got[0] == want[0] and got[0][1] == "length"
+    assert got[1] == want[1]
+    tokens, reason, _ = got[2]
+    assert reason == "abort" and 0 < len(tokens) < 24 and tokens == want[0][0][: len(tokens)]
+    assert got[3] == want[3]
+
+
+def test_ling_tp2_equals_tp1_nextn(ling_path):
+    requests = [(PROMPT, {**GREEDY, "max_new_tokens": 30}), (PROMPT[:6], SAMPLED)]
+    want, got = _both(ling_path, requests, algorithm="NEXTN", num_steps=3)
+    assert got == want
+    assert got[0][2] > 0  # verify steps ran
+
+
+def test_ling_tp2_graph_program_equals_tp1(ling_path):
+    requests = [(PROMPT, {**GREEDY, "max_new_tokens": 27})]
+    want, got = _both(ling_path, requests, setup=use_graph_program, algorithm="NEXTN", num_steps=4)
+    assert got == want
+
+
+def test_llama_tp2_equals_tp1_plain_and_nextn_head(llama_path, llama_nextn_path):
+    requests = [(PROMPT, GREEDY), (PROMPT[:4], SAMPLED)]
+    want, got = _both(llama_path, requests)
+    assert got == want
+    want, got = _both(llama_path, requests[:1], algorithm="NEXTN", num_steps=3, draft_model_path=llama_nextn_path)
+    assert got == want
+
+
+def _cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "BATON_NO_PROGRESS": "1"}
+    return subprocess.run([sys.executable, "-m", "baton.cli", *argv], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=timeout)
+
+
+def test_generate_cli_tp2_prints_the_tp1_text(ling_path, capsys):
+    argv = ["generate", "--model-path", ling_path, "--device", "cpu", "--no-chat", "--prompt", "3 5 7 11",
+            "--max-new-tokens", "12", "--ignore-eos", "--context-length", "128"]
+    assert baton_main(argv) == 0
+    want = capsys.readouterr().out
+    proc = _cli(*argv, "--tp-size", "2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == want
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_cli_tp2_answers_like_tp1_and_exits_cleanly(ling_path):
+    want = generate_all(Engine(_args(ling_path, 1)), [(PROMPT, dict(GREEDY, max_new_tokens=10))])[0][0]
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "baton.cli", "serve", "--model-path", ling_path, "--device", "cpu", "--tp-size", "2",
+         "--port", str(port), "--context-length", "256", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "BATON_NO_PROGRESS": "1"})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"baton ready: http://127.0.0.1:{port}"), proc.stderr.read()
+        body = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 10, "ignore_eos": True}}
+        for _ in range(2):
+            r = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=60)
+            assert r.status_code == 200 and r.json()["output_ids"] == want
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+
+
+def test_tp_size_the_model_cannot_split_is_a_clear_error_before_any_rank_starts(llama_path, capsys):
+    argv = ["generate", "--model-path", llama_path, "--device", "cpu", "--tp-size", "4", "--max-new-tokens", "2"]
+    assert baton_main(argv) == 2
+    assert "num_attention_heads (6) is not divisible by --tp-size 4" in capsys.readouterr().err

@@ -1,0 +1,59 @@
+"""The shipped-draft default of the embedded model: the CLI fills the algorithm and paths, `none` turns it off."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from baton.cli import add_engine_args, server_args_from
+from baton.spec.shipped import shipped_draft
+
+
+def _args(*argv: str):
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return server_args_from(p.parse_args(list(argv)))
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    root = tmp_path / "drafts"
+    for sub in ("nextn", "dspark"):
+        (root / sub).mkdir(parents=True)
+        (root / sub / "config.json").write_text("{}")
+    (root / "dspark" / "sts.json").write_text(json.dumps({"temperatures": [1.0] * 8}))
+    (root / "defaults.json").write_text(json.dumps({"algorithm": "DSPARK", "num_draft_tokens": 9}))
+    monkeypatch.setenv("BATON_SHIPPED_DRAFTS", str(root))
+    return root
+
+
+def test_embedded_speculates_by_default(shipped):
+    spec = _args().spec
+    assert spec.algorithm == "DSPARK" and spec.num_draft_tokens == 9
+    assert spec.draft_model_path == str(shipped / "dspark")
+    assert spec.dspark_confidence_sts_path == str(shipped / "dspark" / "sts.json")
+
+
+@pytest.mark.parametrize("word", ["none", "NONE", "off"])
+def test_none_turns_it_off(shipped, word):
+    assert not _args("--speculative-algorithm", word).spec.enabled
+
+
+def test_named_algorithm_takes_the_shipped_draft(shipped):
+    spec = _args("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2").spec
+    assert spec.algorithm == "NEXTN" and spec.num_steps == 2 and spec.num_draft_tokens == 3
+    assert spec.draft_model_path == str(shipped / "nextn")
+
+
+def test_explicit_paths_and_other_models_are_left_alone(shipped, tmp_path):
+    spec = _args("--speculative-algorithm", "NEXTN", "--speculative-draft-model-path", str(tmp_path)).spec
+    assert spec.draft_model_path == str(tmp_path)
+    assert not _args("--model-path", str(tmp_path)).spec.enabled
+
+
+def test_no_shipped_drafts_means_plain(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATON_SHIPPED_DRAFTS", str(tmp_path / "missing"))
+    assert not _args().spec.enabled
+    assert shipped_draft("NEXTN") is None
