@@ -26,18 +26,9 @@ def bytes_per_token(engine, context: int) -> int:
 
 def hf_generate(engine, prompt_ids: list[int], new_tokens: int) -> dict:
     """transformers LlamaForCausalLM with the same weights, eager ``generate`` (greedy), bf16."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from baton.models.hf_export import to_hf_llama
 
-    from baton.config import config_to_dict
-    from baton.models.loader import hf_layout
-
-    cfg = config_to_dict(engine.model_config)
-    hf_cfg = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("model_type",)})
-    model = LlamaForCausalLM(hf_cfg).to(device=engine.device, dtype=torch.bfloat16).eval()
-    params = dict(engine.model.named_parameters())
-    sd = {name: slot.view(params).detach() for name, slot in hf_layout(engine.model).items()}
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    assert not unexpected, unexpected
+    model = to_hf_llama(engine.model, engine.device, torch.bfloat16)
     ids = torch.tensor([prompt_ids], device=engine.device)
     times = {}
     for n in (1, new_tokens):

@@ -1,52 +1,74 @@
 #!/usr/bin/env bash
 # Retrain the shipped drafts of the embedded SmolLM2-135M-Instruct from scratch: data made by the target, a
-# NEXTN head, a DSpark draft (+ STS), a DFlash baseline, and two short ablations. Every step is one
-# `baton train` command; all seeds are fixed. Run from the repository root (GSM8K at ../shared/data/gsm8k).
+# NEXTN head, a DSpark drafter (+ STS), and the GSM8K accept-length report. Every step is one `baton train`
+# command (or one benchmark script); all seeds are fixed. Run from the repository root.
 #
-#   bash baton/train/recipe_smollm2.sh [OUT]            # one GPU, time-shared (target and trainer on cuda:0)
-#   TRAINER=cuda:1 bash baton/train/recipe_smollm2.sh   # two GPUs: target forwards on cuda:0 (SplitServe)
+#   bash baton/train/recipe_smollm2.sh [OUT]                      # one GPU, time-shared
+#   GPUS=cuda:0,cuda:1 bash baton/train/recipe_smollm2.sh [OUT]   # two GPUs: NEXTN and DSpark train side by side
+#   SPLIT=1 GPUS=cuda:0,cuda:1 ...                                # SplitServe: target on the first, trainer on the second
+#   ABLATE=1 [ABL_STEPS=400] ...                                  # also the Markov-rank and depth ablations
 #
-# Each training directory gets the checkpoint, metrics.json and train_curves.png; serve one with e.g.
-#   baton serve --speculative-algorithm DSPARK --speculative-draft-model-path $OUT/dspark \
-#       --speculative-dspark-confidence-sts-path $OUT/dspark/sts.json
+# The shipped sizes (NEXTN one layer; DSpark one layer, block 16, Markov rank 16, taps 1,27; both bf16) keep
+# the two drafts under 20 MB. Each training directory gets the checkpoint, metrics.json and train_curves.png;
+# copy nextn/ and dspark/ into baton/drafts/smollm2-135m-instruct/ to ship them.
 set -euo pipefail
 
 OUT=${1:-runs/smollm2}
 GSM8K=${GSM8K:-../shared/data/gsm8k}
-TARGET=${TARGET:-cuda:0}
-TRAINER=${TRAINER:-$TARGET}
-WORKERS=${WORKERS:-8}          # data-generation processes sharing the GPU
+GPUS=${GPUS:-cuda:0}
+G0=${GPUS%%,*}; G1=${GPUS##*,}
 NUM_PROMPTS=${NUM_PROMPTS:-4000}
 EPOCHS=${EPOCHS:-2}
+GEN_BATCH=${GEN_BATCH:-512}
+REPORT_QUESTIONS=${REPORT_QUESTIONS:-32}
 DATA=$OUT/data/gsm8k.jsonl
 HOLD=$OUT/data/gsm8k.holdout.jsonl
-DEV=(--target-device "$TARGET" --device "$TRAINER")
-EVAL=(--holdout-data "$HOLD" --eval-prompts 64 --eval-max-new-tokens 256 --eval-every 500)
+EVAL=(--holdout-data "$HOLD" --eval-prompts 32 --eval-max-new-tokens 256 --eval-every 0)
+COMMON=(--train-data "$DATA" --epochs "$EPOCHS" --batch-size 16 --lr 6e-4 --seed 0 --save-dtype bfloat16)
+if [ "${SPLIT:-0}" = 1 ]; then DEV_N=(--target-device "$G0" --device "$G1"); DEV_D=("${DEV_N[@]}")
+else DEV_N=(--target-device "$G0" --device "$G0"); DEV_D=(--target-device "$G1" --device "$G1"); fi
+t0=$SECONDS
+stamp() { echo "[recipe] $1 done at $((SECONDS - t0)) s"; }
 
-# 1. data: chat and 5-shot prompts (the format `baton eval gsm8k` sends), greedy + two sampled settings
+# 1. data: chat and 5-shot prompts (the format `baton eval gsm8k` sends), greedy + sampled at T 0.7; batched
+#    generation through transformers with the target's own weights
 baton train data --data-path "$GSM8K" --num-prompts "$NUM_PROMPTS" --prompt-formats chat,fewshot \
-    --temperatures 0,0.7,1.0 --top-p 0.95 --max-new-tokens 512 --holdout-frac 0.02 --data-seed 0 \
-    --num-workers "$WORKERS" --device "$TARGET" --output "$DATA"
+    --temperatures 0,0.7 --top-p 0.95 --max-new-tokens 384 --holdout-frac 0.02 --data-seed 0 \
+    --backend hf --gen-batch-size "$GEN_BATCH" --device "$G0" --output "$DATA"
+stamp data
 
-# 2. NEXTN head (Ling MTP structure, one Llama layer), 3 chain steps unrolled in training
-baton train nextn --train-data "$DATA" --output "$OUT/nextn" "${DEV[@]}" "${EVAL[@]}" \
-    --epochs "$EPOCHS" --batch-size 16 --lr 6e-4 --unroll-steps 3 --eval-num-steps 3 --seed 0
-
-# 3. DSpark: 2 layers, gamma 7, Markov rank 256; then STS on the held-out records
-baton train dspark --train-data "$DATA" --output "$OUT/dspark" "${DEV[@]}" "${EVAL[@]}" \
-    --epochs "$EPOCHS" --batch-size 16 --lr 6e-4 --num-layers 2 --block-size 7 --markov-rank 256 \
-    --num-anchors 512 --seed 0
+# 2. NEXTN head (Ling MTP structure, one Llama layer), 3 chain steps unrolled; 3. DSpark, one layer, block 16
+baton train nextn "${COMMON[@]}" --output "$OUT/nextn" "${DEV_N[@]}" "${EVAL[@]}" --unroll-steps 3 \
+    --eval-num-steps 3 > "$OUT/nextn.log" 2>&1 &
+pid_n=$!
+[ "$G0" = "$G1" ] && { wait $pid_n; stamp nextn; }
+baton train dspark "${COMMON[@]}" --output "$OUT/dspark" "${DEV_D[@]}" "${EVAL[@]}" --num-layers 1 \
+    --block-size 16 --markov-rank 16 --target-layer-ids 1,27 --num-anchors 256 > "$OUT/dspark.log" 2>&1
+stamp dspark
+wait $pid_n || { tail -20 "$OUT/nextn.log"; exit 1; }
+stamp nextn
 baton train calibrate --draft "$OUT/dspark" --holdout-data "$HOLD" --output "$OUT/dspark/sts.json" \
-    "${DEV[@]}" --mode greedy
+    --device "$G1" --mode greedy
+stamp calibrate
 
-# 4. DFlash baseline (same backbone, no Markov / confidence head, CE loss)
-baton train dspark --algorithm dflash --train-data "$DATA" --output "$OUT/dflash" "${DEV[@]}" "${EVAL[@]}" \
-    --epochs "$EPOCHS" --batch-size 16 --lr 6e-4 --num-layers 2 --block-size 7 --seed 0
+# 4. the report: accept length on GSM8K test (never trained on), greedy and T 0.7
+python3 benchmarks/bench_drafts.py --nextn "$OUT/nextn" --data-path "$GSM8K" --num-questions "$REPORT_QUESTIONS" \
+    --dspark-gammas "" --device "$G0" --output-name drafts_gsm8k_nextn > "$OUT/report_nextn.log" 2>&1 &
+pid_r=$!
+[ "$G0" = "$G1" ] && wait $pid_r
+python3 benchmarks/bench_drafts.py --dspark "$OUT/dspark" --data-path "$GSM8K" --num-questions "$REPORT_QUESTIONS" \
+    --nextn-steps "" --device "$G1" --output-name drafts_gsm8k_dspark > "$OUT/report_dspark.log" 2>&1
+wait $pid_r
+stamp report
 
 # 5. ablations (accept length of each choice, greedy, held-out prompts): Markov rank and draft depth
-ABL=(--train-data "$DATA" "${DEV[@]}" --holdout-data "$HOLD" --eval-prompts 64 --eval-max-new-tokens 256
-     --epochs 1 --batch-size 16 --lr 6e-4 --block-size 7 --seed 0)
-baton train ablate --algorithm dspark --vary markov_rank=0,32,128 --num-layers 2 --output "$OUT/ablate-rank" \
-    --tv-weight 0.9 --ce-weight 0.1 "${ABL[@]}"
-baton train ablate --algorithm dspark --vary num_layers=1,2 --markov-rank 256 --output "$OUT/ablate-depth" \
-    "${ABL[@]}"
+if [ "${ABLATE:-0}" = 1 ]; then
+  ABL=(--train-data "$DATA" "${DEV_D[@]}" --holdout-data "$HOLD" --eval-prompts 32 --eval-max-new-tokens 256
+       --epochs 1 --batch-size 16 --lr 6e-4 --block-size 16 --num-anchors 256 --target-layer-ids 1,27 --seed 0
+       ${ABL_STEPS:+--steps "$ABL_STEPS"})
+  baton train ablate --algorithm dspark --vary markov_rank=0,16,64 --num-layers 1 \
+      --output "$OUT/ablate-rank" "${ABL[@]}"
+  baton train ablate --algorithm dspark --vary num_layers=1,2 --markov-rank 16 --output "$OUT/ablate-depth" \
+      "${ABL[@]}"
+  stamp ablate
+fi

