@@ -29,14 +29,17 @@ nvidia-smi --query-gpu=index,name,memory.used,memory.total,clocks.sm,clocks.mem 
 t0=$SECONDS
 py() { PYTHONUNBUFFERED=1 python3 "$@"; }
 case $phase in
+b0)
+  BATON_TEST_REPORT=$R/figures.jsonl CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -q -m gpu \
+      tests/engine/test_cuda_graphs.py -k logits -p no:cacheprovider -rfEs > "$R/logits_test.log" 2>&1 ;;
 a)
   ( export CUDA_VISIBLE_DEVICES=0
-    BATON_TEST_REPORT=$R/figures.jsonl timeout 250 py -m pytest -q -m gpu $GPU_TESTS -p no:cacheprovider -n 6 -rfEs --continue-on-collection-errors > "$R/gpu_tests.log" 2>&1
+    BATON_TEST_REPORT=$R/figures.jsonl timeout 250 python3 -m pytest -q -m gpu $GPU_TESTS -p no:cacheprovider -n 6 -rfEs --continue-on-collection-errors > "$R/gpu_tests.log" 2>&1
     echo "tests rc=$? at $((SECONDS - t0)) s" >> "$R/gpu_tests.log"
-    OUT=$R timeout 290 py benchmarks/bench_ling_flash.py --num-layers 18 > "$R/ling18.log" 2>&1
+    OUT=$R timeout 290 python3 benchmarks/bench_ling_flash.py --num-layers 18 > "$R/ling18.log" 2>&1
     echo "ling18 rc=$? at $((SECONDS - t0)) s" >> "$R/ling18.log" ) &
   ( export CUDA_VISIBLE_DEVICES=1
-    OUT=$R timeout 540 py benchmarks/bench_ling_flash.py --num-layers 42 --quantization fp8 > "$R/ling42_fp8.log" 2>&1
+    OUT=$R timeout 540 python3 benchmarks/bench_ling_flash.py --num-layers 42 --quantization fp8 > "$R/ling42_fp8.log" 2>&1
     echo "ling42 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8.log" ) &
   wait ;;
 b)
@@ -44,12 +47,9 @@ b)
   setsid nohup env OUT=/tmp/train GSM8K=/tmp/gsm8k GPUS=cuda:1,cuda:0 NUM_PROMPTS=${NUM_PROMPTS:-4000} EPOCHS=${EPOCHS:-2} \
       bash baton/train/recipe_smollm2.sh /tmp/train > /tmp/train/recipe.log 2>&1 < /dev/null &
   ( export CUDA_VISIBLE_DEVICES=0
-    OUT=$R timeout 200 py benchmarks/bench_smollm2_decode.py > "$R/smollm2.log" 2>&1
-    echo "smollm2 rc=$? at $((SECONDS - t0)) s" >> "$R/smollm2.log"
-    BATON_TEST_REPORT=$R/figures.jsonl timeout 200 py -m pytest -q -m gpu tests/engine/test_cuda_graphs.py \
-        -p no:cacheprovider -k "embedded" -rfEs \
-        > "$R/gpu_tests_embedded.log" 2>&1
-    echo "tests rc=$? at $((SECONDS - t0)) s" >> "$R/gpu_tests_embedded.log" )
+    timeout 200 python3 -m baton census --speculative-algorithm none --input-len 512 --num-steps 200 \
+        --output-file "$R/census_smollm2.jsonl" > "$R/census_smollm2.log" 2>&1
+    echo "census rc=$? at $((SECONDS - t0)) s" >> "$R/census_smollm2.log" )
   sleep 20; cp /tmp/train/recipe.log "$R/" ;;
 c)
   end=$((SECONDS + ${WAIT_S:-540}))
@@ -61,15 +61,15 @@ c)
   cp /tmp/train/data/*.summary.json "$R/" 2>/dev/null
   cp /tmp/res/drafts_* "$R/" 2>/dev/null; cp /tmp/train/drafts_* "$R/" 2>/dev/null ;;
 d)
-  BATON_TEST_REPORT=$R/figures.jsonl timeout 80 py -m pytest -q -m gpu tests/dist/test_tp_gpu.py -p no:cacheprovider \
+  BATON_TEST_REPORT=$R/figures.jsonl timeout 80 python3 -m pytest -q -m gpu tests/dist/test_tp_gpu.py -p no:cacheprovider \
       -rfEs > "$R/tp_gpu_tests.log" 2>&1
-  timeout 50 py -m baton.ops.allreduce.bench --tp-size 2 --json "$R/allreduce.json" > "$R/allreduce.log" 2>&1
+  timeout 50 python3 -m baton.ops.allreduce.bench --tp-size 2 --json "$R/allreduce.json" > "$R/allreduce.log" 2>&1
   for m in plain nextn; do
-    OUT=$R timeout 150 py benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 --modes $m --num-requests 1 \
+    OUT=$R timeout 150 python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 --modes $m --num-requests 1 \
         > "$R/tp2_$m.log" 2>&1
     echo "tp2 $m rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_$m.log"
   done
-  OUT=$R timeout 140 py benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 --quantization fp8 --modes nextn \
+  OUT=$R timeout 140 python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 --quantization fp8 --modes nextn \
       --num-requests 1 \
       > "$R/tp2_fp8_nextn.log" 2>&1
   echo "tp2 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_fp8_nextn.log" ;;

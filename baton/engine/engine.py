@@ -46,6 +46,8 @@ class Engine:
     def __init__(self, args: ServerArgs) -> None:
         self.server_args = args
         self.device = pick_device(args.device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)  # Triton kernels, streams and graphs use the current device
         self.dtype = parse_dtype(args.dtype, self.device)
         if dist.tp_size() > 1 and args.spec.algorithm in ("DSPARK", "DFLASH"):
             raise ConfigError(f"--speculative-algorithm {args.spec.algorithm} does not support --tp-size > 1 yet; "

@@ -109,6 +109,9 @@ class FeaturePrefetcher:
         self._thread.start()
 
     def _work(self) -> None:
+        device = self.provider.device
+        if device.type == "cuda" and device.index is not None:  # the current device is per thread (Triton uses it)
+            torch.cuda.set_device(device)
         try:
             with torch.no_grad(), _stream(self._side_stream):
                 for batch in self._batches:

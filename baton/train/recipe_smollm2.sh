@@ -25,39 +25,45 @@ DATA=$OUT/data/gsm8k.jsonl
 HOLD=$OUT/data/gsm8k.holdout.jsonl
 EVAL=(--holdout-data "$HOLD" --eval-prompts 32 --eval-max-new-tokens 256 --eval-every 0)
 COMMON=(--train-data "$DATA" --epochs "$EPOCHS" --batch-size 16 --lr 6e-4 --seed 0 --save-dtype bfloat16)
-if [ "${SPLIT:-0}" = 1 ]; then DEV_N=(--target-device "$G0" --device "$G1"); DEV_D=("${DEV_N[@]}")
-else DEV_N=(--target-device "$G0" --device "$G0"); DEV_D=(--target-device "$G1" --device "$G1"); fi
+# Each command sees only the GPUs it uses (CUDA_VISIBLE_DEVICES), so inside it the first is always cuda:0.
+idx() { case $1 in cuda:*) echo "${1#cuda:}" ;; *) echo 0 ;; esac; }
+if [ "${SPLIT:-0}" = 1 ]; then
+  V0="$(idx "$G0"),$(idx "$G1")"; V1=$V0; DEV_N=(--target-device cuda:0 --device cuda:1); DEV_D=("${DEV_N[@]}")
+else
+  V0=$(idx "$G0"); V1=$(idx "$G1"); DEV_N=(--target-device cuda:0 --device cuda:0); DEV_D=("${DEV_N[@]}")
+fi
+on() { local v=$1; shift; CUDA_VISIBLE_DEVICES=$v "$@"; }
 t0=$SECONDS
 stamp() { echo "[recipe] $1 done at $((SECONDS - t0)) s"; }
 
 # 1. data: chat and 5-shot prompts (the format `baton eval gsm8k` sends), greedy + sampled at T 0.7; batched
 #    generation through transformers with the target's own weights
-baton train data --data-path "$GSM8K" --num-prompts "$NUM_PROMPTS" --prompt-formats chat,fewshot \
+on "$V0" baton train data --data-path "$GSM8K" --num-prompts "$NUM_PROMPTS" --prompt-formats chat,fewshot \
     --temperatures 0,0.7 --top-p 0.95 --max-new-tokens 384 --holdout-frac 0.02 --data-seed 0 \
-    --backend hf --gen-batch-size "$GEN_BATCH" --device "$G0" --output "$DATA"
+    --backend hf --gen-batch-size "$GEN_BATCH" --device cuda:0 --output "$DATA"
 stamp data
 
 # 2. NEXTN head (Ling MTP structure, one Llama layer), 3 chain steps unrolled; 3. DSpark, one layer, block 16
-baton train nextn "${COMMON[@]}" --output "$OUT/nextn" "${DEV_N[@]}" "${EVAL[@]}" --unroll-steps 3 \
+on "$V0" baton train nextn "${COMMON[@]}" --output "$OUT/nextn" "${DEV_N[@]}" "${EVAL[@]}" --unroll-steps 3 \
     --eval-num-steps 3 > "$OUT/nextn.log" 2>&1 &
 pid_n=$!
 [ "$G0" = "$G1" ] && { wait $pid_n; stamp nextn; }
-baton train dspark "${COMMON[@]}" --output "$OUT/dspark" "${DEV_D[@]}" "${EVAL[@]}" --num-layers 1 \
+on "$V1" baton train dspark "${COMMON[@]}" --output "$OUT/dspark" "${DEV_D[@]}" "${EVAL[@]}" --num-layers 1 \
     --block-size 16 --markov-rank 16 --target-layer-ids 1,27 --num-anchors 256 > "$OUT/dspark.log" 2>&1
 stamp dspark
 wait $pid_n || { tail -20 "$OUT/nextn.log"; exit 1; }
 stamp nextn
-baton train calibrate --draft "$OUT/dspark" --holdout-data "$HOLD" --output "$OUT/dspark/sts.json" \
-    --device "$G1" --mode greedy
+on "$V1" baton train calibrate --draft "$OUT/dspark" --holdout-data "$HOLD" --output "$OUT/dspark/sts.json" \
+    --target-device cuda:0 --device cuda:0 --mode greedy
 stamp calibrate
 
 # 4. the report: accept length on GSM8K test (never trained on), greedy and T 0.7
-python3 benchmarks/bench_drafts.py --nextn "$OUT/nextn" --data-path "$GSM8K" --num-questions "$REPORT_QUESTIONS" \
-    --dspark-gammas "" --device "$G0" --output-name drafts_gsm8k_nextn > "$OUT/report_nextn.log" 2>&1 &
+on "$V0" python3 benchmarks/bench_drafts.py --nextn "$OUT/nextn" --data-path "$GSM8K" \
+    --num-questions "$REPORT_QUESTIONS" --dspark-gammas "" --device cuda:0 --output-name drafts_gsm8k_nextn > "$OUT/report_nextn.log" 2>&1 &
 pid_r=$!
 [ "$G0" = "$G1" ] && wait $pid_r
-python3 benchmarks/bench_drafts.py --dspark "$OUT/dspark" --data-path "$GSM8K" --num-questions "$REPORT_QUESTIONS" \
-    --nextn-steps "" --device "$G1" --output-name drafts_gsm8k_dspark > "$OUT/report_dspark.log" 2>&1
+on "$V1" python3 benchmarks/bench_drafts.py --dspark "$OUT/dspark" --data-path "$GSM8K" \
+    --num-questions "$REPORT_QUESTIONS" --nextn-steps "" --device cuda:0 --output-name drafts_gsm8k_dspark > "$OUT/report_dspark.log" 2>&1
 wait $pid_r
 stamp report
 
@@ -66,9 +72,9 @@ if [ "${ABLATE:-0}" = 1 ]; then
   ABL=(--train-data "$DATA" "${DEV_D[@]}" --holdout-data "$HOLD" --eval-prompts 32 --eval-max-new-tokens 256
        --epochs 1 --batch-size 16 --lr 6e-4 --block-size 16 --num-anchors 256 --target-layer-ids 1,27 --seed 0
        ${ABL_STEPS:+--steps "$ABL_STEPS"})
-  baton train ablate --algorithm dspark --vary markov_rank=0,16,64 --num-layers 1 \
+  on "$V1" baton train ablate --algorithm dspark --vary markov_rank=0,16,64 --num-layers 1 \
       --output "$OUT/ablate-rank" "${ABL[@]}"
-  baton train ablate --algorithm dspark --vary num_layers=1,2 --markov-rank 16 --output "$OUT/ablate-depth" \
+  on "$V1" baton train ablate --algorithm dspark --vary num_layers=1,2 --markov-rank 16 --output "$OUT/ablate-depth" \
       "${ABL[@]}"
   stamp ablate
 fi
