@@ -70,9 +70,11 @@ def triton_interpret() -> bool:
 
 
 def tp_allreduce() -> str:
-    """``BATON_TP_ALLREDUCE``: ``auto`` (default: the one-shot symmetric-memory kernel for small messages on CUDA,
-    NCCL for the rest) or ``nccl`` (NCCL for every all-reduce)."""
-    return (_get("BATON_TP_ALLREDUCE") or "auto").lower()
+    """``BATON_TP_ALLREDUCE``: ``nccl`` (default: NCCL for every all-reduce) or ``auto`` (the one-shot
+    symmetric-memory kernel for small messages on CUDA, NCCL for the rest). NCCL is the default since the first
+    2 x H200 run (2026-11-29) hung in TP with ``auto``, the symmetric-memory path being the first suspect; see
+    docs/performance.md."""
+    return (_get("BATON_TP_ALLREDUCE") or "nccl").lower()
 
 
 def tp_timeout_s() -> float | None:

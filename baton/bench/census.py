@@ -173,11 +173,25 @@ def step_bytes(engine, input_len: int, num_verify: int, experts_per_layer: float
     out = {"dense_weights": float(dense), "experts": expert_bytes, "state": float(state), "cache": float(cache_read)}
     drafter = engine.drafter
     if drafter is not None and hasattr(drafter, "head"):
-        head_bytes = sum(p.nbytes for p in drafter.head.parameters())
-        # num_steps - 1 chain forwards plus the extend, each reading the head and one lm_head pass.
-        out["draft"] = float(drafter.num_steps * (head_bytes + lm_head))
+        # num_steps - 1 chain forwards plus the extend, each reading the head's dense weights, the experts one
+        # token routes to (an MTP head with a MoE touches top-k of them, not all) and one lm_head pass.
+        out["draft"] = float(drafter.num_steps * (draft_head_bytes(drafter.head) + lm_head))
     out["total"] = sum(out.values())
     return out
+
+
+def draft_head_bytes(head) -> float:
+    """Bytes one T=1 forward of a NEXTN head reads: its dense weights, plus top-k experts when it has a MoE."""
+    from baton.layers.moe import Experts
+
+    dense = sum(p.nbytes for n, p in head.named_parameters()
+                if not (n.endswith("experts.w13") or n.endswith("experts.w2")) and "embed" not in n)
+    routed = 0.0
+    top_k = max((getattr(m, "top_k", 0) for m in head.modules()), default=0)
+    for m in head.modules():
+        if isinstance(m, Experts):
+            routed += top_k * (m.w13.nbytes + m.w2.nbytes) / m.w13.shape[0]
+    return float(dense) + routed
 
 
 def run_census(engine, input_len: int = 8192, num_steps: int = 50, profile_steps_n: int = 10) -> dict:
