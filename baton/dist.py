@@ -288,9 +288,12 @@ def _run_rank0_here(fn, args, world_size, backend, init_method, timeout_s, share
     except BaseException as e:
         sup.fail(sup.explain_own_failure(f"{type(e).__name__}: {e}"), hard_exit=False)
         raise
+    # Tear the group down together with the other ranks, which do so as their fn returns, and only then wait
+    # for them to exit: NCCL's communicator teardown waits for every rank, so waiting first deadlocked (the
+    # 2 x H200 runs of 2026-11-29 hung here after their work was done, while the all-children tests passed).
+    destroy_tp()
     sup.wait_children()
     _SUPERVISOR = None
-    destroy_tp()
     return result
 
 

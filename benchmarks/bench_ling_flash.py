@@ -57,7 +57,12 @@ def _prompt(args) -> list[int]:
 def _timed_runs(engine, args) -> list[dict]:
     prompt = _prompt(args)
     timed_request(engine, prompt[:512], 16)  # warm
-    return [timed_request(engine, prompt, args.output_len) for _ in range(args.num_requests)]
+    print("warm-up request done", flush=True)
+    runs = []
+    for i in range(args.num_requests):
+        runs.append(timed_request(engine, prompt, args.output_len))
+        print(f"request {i}: {json.dumps(runs[-1])}", flush=True)
+    return runs
 
 
 def _tp_leader(engine, args) -> dict:

@@ -44,7 +44,7 @@ a)
   wait ;;
 b)
   ls -la /tmp/SmolLM2-135M-Instruct.Q4_1.gguf > "$R/gguf.txt" 2>&1
-  setsid nohup env OUT=/tmp/train GSM8K=/tmp/gsm8k GPUS=cuda:1,cuda:0 NUM_PROMPTS=${NUM_PROMPTS:-4000} EPOCHS=${EPOCHS:-2} \
+  setsid nohup env OUT=/tmp/train GSM8K=/tmp/gsm8k GPUS=cuda:1,cuda:0 NUM_PROMPTS=${NUM_PROMPTS:-3000} EPOCHS=${EPOCHS:-2} \
       bash baton/train/recipe_smollm2.sh /tmp/train > /tmp/train/recipe.log 2>&1 < /dev/null &
   ( export CUDA_VISIBLE_DEVICES=0
     timeout 200 python3 -m baton census --speculative-algorithm none --input-len 512 --num-steps 200 \
@@ -61,15 +61,17 @@ c)
   cp /tmp/train/data/*.summary.json "$R/" 2>/dev/null
   cp /tmp/res/drafts_* "$R/" 2>/dev/null; cp /tmp/train/drafts_* "$R/" 2>/dev/null ;;
 d)
-  BATON_TEST_REPORT=$R/figures.jsonl timeout 80 python3 -m pytest -q -m gpu tests/dist/test_tp_gpu.py -p no:cacheprovider \
+  export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=120  # a hang dumps rank 0's Python stacks (timeout -s ABRT)
+  BATON_TEST_REPORT=$R/figures.jsonl timeout -s ABRT 150 python3 -m pytest -q -m gpu tests/dist/test_tp_gpu.py -p no:cacheprovider \
       -rfEs > "$R/tp_gpu_tests.log" 2>&1
-  timeout 50 python3 -m baton.ops.allreduce.bench --tp-size 2 --json "$R/allreduce.json" > "$R/allreduce.log" 2>&1
+  BATON_TP_ALLREDUCE=auto timeout -s ABRT 50 python3 -m baton.ops.allreduce.bench --tp-size 2 \
+      --json "$R/allreduce.json" > "$R/allreduce.log" 2>&1
   for m in plain nextn; do
-    OUT=$R timeout 150 python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 --modes $m --num-requests 1 \
+    OUT=$R timeout -s ABRT 150 python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 --modes $m --num-requests 1 \
         > "$R/tp2_$m.log" 2>&1
     echo "tp2 $m rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_$m.log"
   done
-  OUT=$R timeout 140 python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 --quantization fp8 --modes nextn \
+  OUT=$R timeout -s ABRT 140 python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 --quantization fp8 --modes nextn \
       --num-requests 1 \
       > "$R/tp2_fp8_nextn.log" 2>&1
   echo "tp2 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_fp8_nextn.log" ;;

@@ -14,14 +14,15 @@ from torch import nn
 
 
 def to_hf_llama(model: nn.Module, device: torch.device | str | None = None,
-                dtype: torch.dtype | None = None) -> Any:
+                dtype: torch.dtype | None = None, attn_implementation: str = "sdpa") -> Any:
     """A ``transformers.LlamaForCausalLM`` (eval mode) with the same weights as the baton llama ``model``.
 
     The config comes from ``model.config`` (``baton.config.config_to_dict``), the tensors from the checkpoint
     layout (``baton.models.loader.hf_layout`` slots viewed in ``model``'s parameters). Where ``device`` and
     ``dtype`` (default: those of ``model``) match, the HF parameters share storage with baton's (no copy);
-    otherwise they are converted copies. Raises ValueError for a target that is not a llama model, or one
-    sharded by tensor parallelism.
+    otherwise they are converted copies. Attention: ``attn_implementation`` (transformers' name; default
+    ``"sdpa"``, torch's scaled_dot_product_attention). Raises ValueError for a target that is not a llama
+    model, or one sharded by tensor parallelism.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -41,7 +42,10 @@ def to_hf_llama(model: nn.Module, device: torch.device | str | None = None,
     device = torch.device(device) if device is not None else first.device
     dtype = dtype or first.dtype
 
-    hf_cfg = LlamaConfig(**{k: v for k, v in config_to_dict(cfg).items() if k not in ("model_type", "torch_dtype")})
+    # sdpa, stated (not left to transformers' default): eager attention materialises the (batch, heads, query,
+    # key) scores, which batched generation with long prompts cannot afford
+    hf_cfg = LlamaConfig(**{k: v for k, v in config_to_dict(cfg).items() if k not in ("model_type", "torch_dtype")},
+                         attn_implementation=attn_implementation)
     params = dict(model.named_parameters())
     sd = {name: slot.view(params).detach().to(device=device, dtype=dtype) for name, slot in layout.items()}
     if cfg.tie_word_embeddings:

@@ -23,12 +23,13 @@ Each output line: ``{"id", "prompt_id", "source", "format", "split", "temperatur
 ``--num-workers N`` (N processes with their own engines, every N-th prompt each, merged in order).
 
 ``--backend hf`` (llama-type targets) generates the same jobs in batches of ``--gen-batch-size`` through a
-Hugging Face ``transformers`` LlamaForCausalLM holding the loaded target's weights: one sampling setting per
-batch, prompts sorted by length and left-padded, each response cut where the engine would stop (the first EOS,
-the token budget, or the engine's stop-string rule replayed token by token), with the same record fields and
-split. Greedy records match the engine's up to floating-point differences between the two implementations.
-Sampled records use one torch seed per batch (from ``--data-seed`` and the batch index; the record's ``seed``):
-reproducible for a fixed ``--gen-batch-size`` and device, but not the engine backend's samples.
+Hugging Face ``transformers`` LlamaForCausalLM holding the loaded target's weights: one sampling setting and one
+prompt format per batch, prompts sorted by length and left-padded, each response cut where the engine would stop
+(the first EOS, the token budget, or the engine's stop-string rule replayed token by token), with the same record
+fields and split; one info line per batch reports progress. Greedy records match the engine's up to
+floating-point differences between the two implementations. Sampled records use one torch seed per batch
+(from ``--data-seed`` and the batch index; the record's ``seed``): reproducible for a fixed ``--gen-batch-size``
+and device, but not the engine backend's samples.
 """
 
 from __future__ import annotations
@@ -291,7 +292,8 @@ class _Row:
     ``{"type": "stop", "matched": id}``), at the token budget (``{"type": "length", ...}``), or, for prompts
     with stop strings, by replaying baton's own ``OutputTracker`` token by token (the token at which the
     streamed text first contains a stop string is the last one kept; finish ``{"type": "stop", "matched":
-    str}``)."""
+    str}``). The cut depends on this row's tokens only, so feeding them in chunks (during generation, after
+    it, or both) gives the same cut as the engine's token-by-token decoding."""
 
     def __init__(self, job: _HFJob, sp: SamplingParams, tokenizer: Any, eos_ids: set[int]) -> None:
         from baton.engine.output import OutputTracker
@@ -304,6 +306,7 @@ class _Row:
         self.finish_reason: dict | None = None if job.budget > 0 else {"type": "length", "length": 0}
 
     def feed(self, tokens: list[int]) -> None:
+        """The next generated tokens, in order (ignored once the row has finished)."""
         for tok in tokens:
             if self.finish_reason is not None:
                 return
@@ -318,44 +321,67 @@ class _Row:
                 self.finish_reason = {"type": "length", "length": len(self.ids)}
 
 
-def _rows_done_criteria(rows: list[_Row], width: int) -> Any:
-    """A transformers StoppingCriteria feeding each new column of tokens to the rows: a row is done where the
-    engine would have stopped, and generation ends when every row is."""
+# Decode steps between two checks of the rows with stop strings (or with a budget below the batch's), so that a
+# batch whose rows have all stopped ends early. EOS is handled on the device by transformers at every step.
+STOP_CHECK_EVERY = 32
+
+
+def _periodic_rows_done(rows: list[_Row], width: int, every: int) -> Any:
+    """A transformers StoppingCriteria that, every ``every`` new tokens, copies the tokens generated since its
+    last check to the host (one transfer), feeds them to the rows and marks done the rows the engine would have
+    stopped. On the other steps it returns the same all-False device tensor: no host work, no sync. ``seen``:
+    the generated tokens already fed (the rest is fed after ``generate`` returns)."""
     import torch
-    from transformers import StoppingCriteria, StoppingCriteriaList
+    from transformers import StoppingCriteria
 
     class RowsDone(StoppingCriteria):
         seen = 0
+        idle: torch.Tensor | None = None
 
         def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-            new = input_ids[:, width + self.seen:].tolist()
-            self.seen = input_ids.shape[1] - width
+            n = input_ids.shape[1] - width
+            if n - self.seen < every:
+                if self.idle is None:
+                    self.idle = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+                return self.idle
+            new = input_ids[:, width + self.seen :].tolist()
+            self.seen = n
             for row, toks in zip(rows, new, strict=True):
                 row.feed(toks)
             return torch.tensor([r.finish_reason is not None for r in rows], device=input_ids.device)
 
-    return StoppingCriteriaList([RowsDone()])
+    return RowsDone()
 
 
 def _hf_batches(jobs: list[_HFJob], num_settings: int, batch_size: int) -> list[list[_HFJob]]:
-    """One sampling setting per batch; within a setting, prompts sorted by length (less padding)."""
+    """One sampling setting and one prompt format per batch (so short chat prompts are never padded to the
+    length of few-shot ones); within those, prompts sorted by length (little padding)."""
     out = []
     for j in range(num_settings):
-        group = sorted((job for job in jobs if job.j == j), key=lambda job: (len(job.ids), job.i, job.f))
-        out += [group[k : k + batch_size] for k in range(0, len(group), batch_size)]
+        for fmt in dict.fromkeys(job.fmt for job in jobs):
+            group = sorted((job for job in jobs if job.j == j and job.fmt == fmt),
+                           key=lambda job: (len(job.ids), job.i, job.f))
+            out += [group[k : k + batch_size] for k in range(0, len(group), batch_size)]
     return out
 
 
 def generate_records_hf(engine: Any, jobs: Jobs, max_new_tokens: int, seed: int,
                         batch_size: int = 256) -> list[dict[str, Any]]:
     """The records ``generate_records`` writes, generated in batches by a Hugging Face ``LlamaForCausalLM``
-    holding the engine's weights (left padding with an attention mask, one sampling setting per batch).
+    holding the engine's weights (left padding with an attention mask, one sampling setting and one prompt
+    format per batch).
+
+    Only EOS stops a row inside ``generate`` at every step (transformers' own check, on the device); stop
+    strings and per-row budgets are applied to each row's tokens by ``_Row`` (every ``STOP_CHECK_EVERY`` steps,
+    to end a batch early once all its rows have stopped, and after ``generate`` returns). One ``log.info`` line
+    per batch reports progress.
 
     Greedy records equal the engine's up to floating-point differences between the two implementations (on
     CPU in fp32 they agree). Sampled records come from ``torch.manual_seed(batch_seed(seed, batch index))``
     per batch, so they are reproducible for a fixed ``batch_size`` (and device), but not the engine
     backend's samples; their ``seed`` field is that batch seed."""
     import torch
+    from transformers import StoppingCriteriaList
 
     from baton.models.hf_export import to_hf_llama
 
@@ -373,18 +399,21 @@ def generate_records_hf(engine: Any, jobs: Jobs, max_new_tokens: int, seed: int,
         work += [_HFJob(i, item, f, fmt, j, ids, stop, budget) for j in range(len(jobs.settings))]
     _warn_skipped(skipped)
     batches = _hf_batches(work, len(jobs.settings), batch_size)
+    log.info("hf backend: %d responses in %d batches of up to %d (%s, attention %s, %s)", len(work), len(batches),
+             batch_size, engine.device, model.config._attn_implementation, engine.dtype)
     records: list[dict[str, Any]] = []
     kept = generated = 0
     t0 = time.perf_counter()
-    for b, batch in enumerate(tqdm(batches, desc="generate (hf)", unit="batch", disable=env.disable_progress())):
+    for b, batch in enumerate(batches):
         st = jobs.settings[batch[0].j]
         s = batch_seed(seed, b)
         sp = [SamplingParams(temperature=st.temperature, top_p=st.top_p, max_new_tokens=job.budget, stop=job.stop)
               for job in batch]
         rows = [_Row(job, p, tok, eos_ids) for job, p in zip(batch, sp, strict=True)]
         steps = max(job.budget for job in batch)
+        width = max(len(job.ids) for job in batch)
+        made, tb = 0, time.perf_counter()
         if steps > 0:
-            width = max(len(job.ids) for job in batch)
             input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
             mask = torch.zeros((len(batch), width), dtype=torch.long)
             for r, job in enumerate(batch):  # left padding
@@ -392,15 +421,19 @@ def generate_records_hf(engine: Any, jobs: Jobs, max_new_tokens: int, seed: int,
                 mask[r, width - len(job.ids):] = 1
             sampling = dict(do_sample=True, temperature=st.temperature, top_p=st.top_p, top_k=0) \
                 if st.temperature > 0 else dict(do_sample=False)
+            # rows cut on the host (stop strings, a smaller budget) are checked now and then, to end early
+            check = _periodic_rows_done(rows, width, STOP_CHECK_EVERY) \
+                if any(job.stop or job.budget < steps for job in batch) else None
             torch.manual_seed(s)
             with torch.inference_mode():
                 out = model.generate(input_ids.to(engine.device), attention_mask=mask.to(engine.device),
                                      max_new_tokens=steps, eos_token_id=sorted(eos_ids) or None, pad_token_id=pad_id,
-                                     stopping_criteria=_rows_done_criteria(rows, width), **sampling)
-            new = out[:, width:].tolist()
-            generated += out.shape[0] * (out.shape[1] - width)
+                                     stopping_criteria=StoppingCriteriaList([check] if check else []), **sampling)
+            made = out.shape[1] - width
+            new = out[:, width + (check.seen if check else 0):].tolist()
+            generated += out.shape[0] * made
             for row, toks in zip(rows, new, strict=True):
-                row.feed(toks)  # a no-op unless the criteria missed columns
+                row.feed(toks)  # what the periodic check has not seen
         for row in rows:
             if row.finish_reason is None:
                 raise RuntimeError(f"hf backend: {row.job.item.prompt_id} ended without EOS, stop string or length")
@@ -408,6 +441,13 @@ def generate_records_hf(engine: Any, jobs: Jobs, max_new_tokens: int, seed: int,
             records.append(_record(jobs, job.i, job.item, job.f, job.fmt, job.j, st, s, job.ids, list(row.ids),
                                    row.finish_reason))
             kept += len(row.ids)
+        now = time.perf_counter()
+        dt = max(now - t0, 1e-9)
+        log.info("hf backend: batch %d/%d (%s, T=%g): %d rows, prompt width %d, %d/%d steps in %.1f s (%.1f ms/step); "
+                 "%d/%d responses, %d tokens kept, %.0f tokens/s (%.0f/s generated), elapsed %.0f s, eta %.0f s",
+                 b + 1, len(batches), batch[0].fmt, st.temperature, len(batch), width, made, steps, now - tb,
+                 1e3 * (now - tb) / max(made, 1), len(records), len(work), kept, kept / dt, generated / dt, dt,
+                 dt / len(records) * (len(work) - len(records)))
     dt = max(time.perf_counter() - t0, 1e-9)
     log.info("hf backend: %d responses, %d tokens kept in %.1f s (%.0f tokens/s; %.0f tokens/s generated with "
              "padding and finished rows)", len(records), kept, dt, kept / dt, generated / dt)

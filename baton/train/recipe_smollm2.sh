@@ -17,9 +17,9 @@ OUT=${1:-runs/smollm2}
 GSM8K=${GSM8K:-../shared/data/gsm8k}
 GPUS=${GPUS:-cuda:0}
 G0=${GPUS%%,*}; G1=${GPUS##*,}
-NUM_PROMPTS=${NUM_PROMPTS:-4000}
+NUM_PROMPTS=${NUM_PROMPTS:-3000}
 EPOCHS=${EPOCHS:-2}
-GEN_BATCH=${GEN_BATCH:-512}
+GEN_BATCH=${GEN_BATCH:-1024}
 REPORT_QUESTIONS=${REPORT_QUESTIONS:-32}
 DATA=$OUT/data/gsm8k.jsonl
 HOLD=$OUT/data/gsm8k.holdout.jsonl

@@ -3,6 +3,8 @@ backend's greedy records (left padding, EOS, max_new_tokens and stop strings cut
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -69,6 +71,100 @@ def test_greedy_matches_engine_with_stop_strings(engine, tmp_path, monkeypatch):
     assert got == ref
     assert any(r["finish_reason"] == {"type": "stop", "matched": stop} for r in got)
     assert any(len(r["response_ids"]) < MAX_NEW for r in got)
+
+
+def _counting_generate(monkeypatch) -> list[tuple[int, int]]:
+    """(new tokens returned, max_new_tokens) of every ``generate`` call of the hf backend."""
+    from baton.models import hf_export
+
+    calls, export = [], hf_export.to_hf_llama
+
+    def to_hf_llama(*args, **kw):
+        model = export(*args, **kw)
+        generate = model.generate
+
+        def counted(input_ids, **gkw):
+            out = generate(input_ids, **gkw)
+            calls.append((out.shape[1] - input_ids.shape[1], gkw["max_new_tokens"]))
+            return out
+
+        model.generate = counted
+        return model
+
+    monkeypatch.setattr(hf_export, "to_hf_llama", to_hf_llama)
+    return calls
+
+
+@pytest.mark.parametrize("every", [1, 5])
+def test_periodic_stop_check_gives_the_engine_records(engine, tmp_path, monkeypatch, every):
+    """Stop strings checked every ``every`` steps during generate (and the rest after it): the same cuts as the
+    engine's token-by-token rule, wherever a check falls."""
+    prompts = tmp_path / "q.txt"
+    prompts.write_text("1 2 3\n40 50 60 70 80 90\n7\n11 12 13 14\n")
+    monkeypatch.setattr(data, "DEFAULT_STOP", ("no such text",))
+    jobs = _jobs(engine, tmp_path, extra_prompts=str(prompts), prompt_formats=("plain",))
+    plain, _ = _both(engine, jobs)
+    text = engine.tokenizer.decode(plain[2]["response_ids"])
+    stop = text[6:12].strip() or text[:4]
+    monkeypatch.setattr(data, "DEFAULT_STOP", (stop,))
+    monkeypatch.setattr(data, "STOP_CHECK_EVERY", every)
+    ref, got = _both(engine, jobs, batch_size=3)
+    assert got == ref
+    assert any(r["finish_reason"] == {"type": "stop", "matched": stop} for r in got)
+
+
+def test_batch_ends_at_the_check_after_every_row_stopped(engine, tmp_path, monkeypatch):
+    """A stop string every row matches at its first token: generate ends at the first check, not at the budget."""
+    prompts = tmp_path / "q.txt"
+    prompts.write_text("1 2 3\n40 50 60 70 80 90\n7\n")
+    monkeypatch.setattr(data, "DEFAULT_STOP", (" ",))  # IdTokenizer text: "<id> " per token
+    monkeypatch.setattr(data, "STOP_CHECK_EVERY", 3)
+    jobs = _jobs(engine, tmp_path, extra_prompts=str(prompts), prompt_formats=("plain",))
+    calls = _counting_generate(monkeypatch)
+    ref, got = _both(engine, jobs)
+    assert got == ref
+    assert all(len(r["response_ids"]) == 1 and r["finish_reason"] == {"type": "stop", "matched": " "} for r in got)
+    assert calls == [(3, MAX_NEW)]
+
+
+def test_eos_only_batches_run_without_host_criteria(engine, tmp_path, prompts_file, monkeypatch):
+    """Prompts without stop strings (token-id prompts here, chat in practice): no stopping criteria of ours,
+    EOS is transformers' own check on the device."""
+    seen = []
+    monkeypatch.setattr(data, "_periodic_rows_done", lambda *a: seen.append(a) or pytest.fail("criteria used"))
+    jobs = _jobs(engine, tmp_path, extra_prompts=prompts_file, num_extra_prompts=4)
+    ref, got = _both(engine, jobs)
+    assert got == ref and not seen
+
+
+def test_batches_keep_settings_and_formats_apart():
+    """Within a sampling setting, prompts sorted by length; chat (short) and fewshot (long) never share a batch,
+    so no chat row is padded to a few-shot prompt's length."""
+    item = data.PromptItem("p", "x", question="q")
+    lens = {"chat": [5, 9, 3, 7, 30], "fewshot": [20, 40, 25]}  # a chat prompt longer than a fewshot one
+    jobs = [data._HFJob(i, item, f, fmt, j, [0] * n, [], 4) for j in range(2) for f, fmt in enumerate(lens)
+            for i, n in enumerate(lens[fmt])]
+    batches = data._hf_batches(jobs, 2, 3)
+    expect = [[("chat", 3), ("chat", 5), ("chat", 7)], [("chat", 9), ("chat", 30)],
+              [("fewshot", 20), ("fewshot", 25), ("fewshot", 40)]]
+    assert [[(b.j, b.fmt, len(b.ids)) for b in batch] for batch in batches] == [
+        [(j, *x) for x in batch] for j in range(2) for batch in expect]
+
+
+def test_progress_line_per_batch(engine, tmp_path, prompts_file, caplog):
+    jobs = _jobs(engine, tmp_path, extra_prompts=prompts_file, num_extra_prompts=5)
+    with caplog.at_level(logging.INFO, logger="baton.train.data"):
+        generate_records_hf(engine, jobs, MAX_NEW, 0, 2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "baton.train.data"]
+    batch_lines = [m for m in lines if "batch " in m and "tokens/s" in m]
+    assert [m.split(": batch ")[1].split(" ")[0] for m in batch_lines] == ["1/3", "2/3", "3/3"]
+    assert "5/5 responses" in batch_lines[-1] and "elapsed" in batch_lines[-1]
+
+
+def test_export_uses_sdpa_attention(engine):
+    from baton.models.hf_export import to_hf_llama
+
+    assert to_hf_llama(engine.model).config._attn_implementation == "sdpa"
 
 
 def test_cli_hf_backend_writes_the_engine_files(tmp_path, target_path, prompts_file):
