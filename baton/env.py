@@ -71,9 +71,8 @@ def triton_interpret() -> bool:
 
 def tp_allreduce() -> str:
     """``BATON_TP_ALLREDUCE``: ``nccl`` (default: NCCL for every all-reduce) or ``auto`` (the one-shot
-    symmetric-memory kernel for small messages on CUDA, NCCL for the rest). NCCL is the default since the first
-    2 x H200 run (2026-11-29) hung in TP with ``auto``, the symmetric-memory path being the first suspect; see
-    docs/performance.md."""
+    symmetric-memory kernel for small messages on CUDA, NCCL for the rest). NCCL is the default until a 2 x H200
+    run clears the one-shot path (the first run, 2026-11-29, hung in TP teardown; see docs/performance.md)."""
     return (_get("BATON_TP_ALLREDUCE") or "nccl").lower()
 
 

@@ -62,16 +62,16 @@ c)
   cp /tmp/res/drafts_* "$R/" 2>/dev/null; cp /tmp/train/drafts_* "$R/" 2>/dev/null ;;
 d)
   export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=120  # a hang dumps rank 0's Python stacks (timeout -s ABRT)
-  BATON_TEST_REPORT=$R/figures.jsonl timeout -s ABRT 150 python3 -m pytest -q -m gpu tests/dist/test_tp_gpu.py -p no:cacheprovider \
+  BATON_TEST_REPORT=$R/figures.jsonl timeout -s ABRT 120 python3 -m pytest -q -m gpu tests/dist/test_tp_gpu.py -p no:cacheprovider \
       -rfEs > "$R/tp_gpu_tests.log" 2>&1
   BATON_TP_ALLREDUCE=auto timeout -s ABRT 50 python3 -m baton.ops.allreduce.bench --tp-size 2 \
       --json "$R/allreduce.json" > "$R/allreduce.log" 2>&1
   for m in plain nextn; do
-    OUT=$R timeout -s ABRT 150 python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 --modes $m --num-requests 1 \
+    OUT=$R timeout -s ABRT 140 python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 --modes $m --num-requests 1 \
         > "$R/tp2_$m.log" 2>&1
     echo "tp2 $m rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_$m.log"
   done
-  OUT=$R timeout -s ABRT 140 python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 --quantization fp8 --modes nextn \
+  OUT=$R timeout -s ABRT 130 python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 --quantization fp8 --modes nextn \
       --num-requests 1 \
       > "$R/tp2_fp8_nextn.log" 2>&1
   echo "tp2 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_fp8_nextn.log" ;;
