@@ -8,6 +8,7 @@
 #                             (setsid: it outlives the call); GPU 0: SmolLM2 bench, GPU tests of the embedded model
 #   c  (carry .whl)           wait for the recipe (up to ${WAIT_S:-540} s), pack the drafts and the report
 #   d  (carry .whl)           TP2: all-reduce latency, the whole Ling-3.0-flash bf16 plain and NEXTN, fp8 NEXTN
+#   t  (carry .whl)           tune the linear kernels' configs; the table comes back as nvidia-h200.json
 #
 # .carry0 = {part, index} of `device-parts.sh split <gguf> 48`; .carry1 = {part, index, sha256, gsm8k/}.
 set -uo pipefail
@@ -29,6 +30,10 @@ nvidia-smi --query-gpu=index,name,memory.used,memory.total,clocks.sm,clocks.mem 
 t0=$SECONDS
 py() { PYTHONUNBUFFERED=1 python3 "$@"; }
 case $phase in
+t)  # tune the decode-shape linear kernels (the census's largest loss): commit the table as
+    # baton/ops/linear/tuned/nvidia-h200.json, then rerun the Ling / SmolLM2 benches
+  CUDA_VISIBLE_DEVICES=0 timeout 500 python3 -m baton.ops.linear.bench --tune --m 1 6 16 --json "$R/linear_tune.json" \
+      --write-table "$R/nvidia-h200.json" > "$R/linear_tune.log" 2>&1 ;;
 b0)
   BATON_TEST_REPORT=$R/figures.jsonl CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -q -m gpu \
       tests/engine/test_cuda_graphs.py -k logits -p no:cacheprovider -rfEs > "$R/logits_test.log" 2>&1 ;;

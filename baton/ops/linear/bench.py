@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ import torch.nn.functional as F
 
 from baton.ops.linear import naive
 
-__all__ = ["LING_SHAPES", "SMOL_SHAPES", "BenchShape", "bench_linear", "tune_linear"]
+__all__ = ["LING_SHAPES", "SMOL_SHAPES", "BenchShape", "bench_linear", "tune_linear", "write_table"]
 
 L2_BYTES = 60 * 2**20
 COLD_BYTES = 4 * L2_BYTES  # weight bytes cycled through per graph replay
@@ -231,6 +232,25 @@ def tune_linear(shapes: list[BenchShape], dtype: torch.dtype = torch.bfloat16, m
     return rows
 
 
+def write_table(rows: list[dict], device_name: str, path: str = "default") -> str:
+    """The winners of ``tune_linear`` as a table ``pick_config`` reads: M == 1 rows give the "gemv" entry, M > 1
+    rows the "dot" entry (the largest M tuned wins when several are)."""
+    from baton.ops.linear import triton as fast
+
+    out = fast.table_path(device_name) if path == "default" else path
+    entries: dict[tuple, dict] = {}
+    for r in sorted(rows, key=lambda r: r["m"]):
+        kind = "gemv" if r["m"] == 1 else "dot"
+        entries[(kind, r["n_out"], r["k"], r["swiglu"])] = {
+            "kind": kind, "n_out": r["n_out"], "k": r["k"], "swiglu": r["swiglu"], "config": r["best"],
+            "us": round(r["best_us"], 2), "gbps": round(r["best_gbps"]), "m": r["m"]}
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump({"device": device_name, "torch": torch.__version__, "entries": list(entries.values())}, f,
+                  indent=1)
+    return str(out)
+
+
 def _print_table(rows: list[dict]) -> None:
     keys = [k[:-3] for k in rows[0] if k.endswith("_us")]
     print(f"{'shape':24s} {'M':>3s} " + " ".join(f"{k + ' us':>14s} {'GB/s':>6s}" for k in keys) + "  rel_err")
@@ -245,6 +265,9 @@ def main() -> None:
     ap.add_argument("--only", default="", help="substring filter on shape names")
     ap.add_argument("--json", default="", help="write the rows here")
     ap.add_argument("--tune", action="store_true", help="sweep configs instead of timing variants")
+    ap.add_argument("--write-table", nargs="?", const="default", default=None, metavar="PATH",
+                    help="with --tune: write the winners as this GPU's table (default path: "
+                         "baton/ops/linear/tuned/<gpu name>.json), which pick_config then reads")
     args = ap.parse_args()
     shapes = [s for s in LING_SHAPES + SMOL_SHAPES if args.only in s.name]
     if args.tune:
@@ -258,6 +281,11 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.write_table:
+        if not args.tune:
+            raise SystemExit("--write-table needs --tune")
+        path = write_table(rows, torch.cuda.get_device_name(), args.write_table)
+        print(f"wrote {len(rows)} tuned entries to {path}")
     print(json.dumps({"rows": len(rows)}))
 
 

@@ -28,7 +28,9 @@ Design (bandwidth-bound at batch 1; every weight byte is read exactly once):
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -64,9 +66,35 @@ class LinearConfig:
     num_stages: int = 1
 
 
-# Measured winners, (kind, N_out, K, swiglu) -> config, kind "gemv" (M == 1) or "dot" (M = 2..16). Filled from
-# the H200 sweep; shapes not listed take the bucket rules in ``_heuristic_config``.
+# Measured winners, (kind, N_out, K, swiglu) -> config, kind "gemv" (M == 1) or "dot" (M = 2..16): entries set
+# here take precedence; the rest come from the table of the current GPU (``tuned/<gpu name>.json``, written by
+# ``python -m baton.ops.linear.bench --tune --write-table``). Shapes in neither take ``_heuristic_config``.
 TUNED: dict[tuple[str, int, int, bool], LinearConfig] = {}
+TUNED_DIR = Path(__file__).with_name("tuned")
+
+
+def table_path(device_name: str) -> Path:
+    slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
+    return TUNED_DIR / f"{slug}.json"
+
+
+def read_table(path: Path) -> dict[tuple[str, int, int, bool], LinearConfig]:
+    with open(path) as f:
+        data = json.load(f)
+    return {(e["kind"], int(e["n_out"]), int(e["k"]), bool(e["swiglu"])): LinearConfig(**e["config"])
+            for e in data["entries"]}
+
+
+@functools.cache
+def _device_table(device_name: str) -> dict[tuple[str, int, int, bool], LinearConfig]:
+    path = table_path(device_name)
+    return read_table(path) if path.is_file() else {}
+
+
+def _current_device_name() -> str | None:
+    if env.triton_interpret() or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name()
 
 
 @functools.cache
@@ -116,7 +144,12 @@ def _heuristic_config(m: int, n_out: int, k: int, swiglu: bool) -> LinearConfig:
 def pick_config(m: int, n_out: int, k: int, swiglu: bool = False) -> LinearConfig:
     """The config for x [m, k] and n_out output columns: a tuned entry if the shape has one, else the buckets."""
     kind = "gemv" if m == 1 else "dot"
-    return TUNED.get((kind, n_out, k, swiglu)) or _heuristic_config(m, n_out, k, swiglu)
+    key = (kind, n_out, k, swiglu)
+    if key in TUNED:
+        return TUNED[key]
+    name = _current_device_name()
+    table = _device_table(name) if name else {}
+    return table.get(key) or _heuristic_config(m, n_out, k, swiglu)
 
 
 _counters: dict[torch.device, torch.Tensor] = {}

@@ -1,0 +1,35 @@
+"""The per-GPU tuned table of the linear kernels: written from tuning rows, read back by pick_config."""
+
+from __future__ import annotations
+
+from baton.ops.linear import triton as fast
+from baton.ops.linear.bench import write_table
+
+
+def _row(m: int, n_out: int, k: int, block_n: int, swiglu: bool = False) -> dict:
+    cfg = fast.LinearConfig(block_n, 512, 1, 4, 1)
+    return {"name": "x", "m": m, "n_out": n_out, "k": k, "swiglu": swiglu, "best": cfg.__dict__, "best_us": 3.0,
+            "best_gbps": 1000.0}
+
+
+def test_table_round_trip_and_pick(tmp_path, monkeypatch):
+    monkeypatch.setattr(fast, "TUNED_DIR", tmp_path)
+    rows = [_row(1, 2560, 4096, 8), _row(6, 2560, 4096, 16), _row(16, 2560, 4096, 32), _row(1, 768, 2560, 4, True)]
+    path = write_table(rows, "Fake GPU 9000")
+    assert path == str(tmp_path / "fake-gpu-9000.json")
+    table = fast.read_table(tmp_path / "fake-gpu-9000.json")
+    assert table[("gemv", 2560, 4096, False)].block_n == 8
+    assert table[("dot", 2560, 4096, False)].block_n == 32  # the largest tuned M wins for the dot entry
+    assert table[("gemv", 768, 2560, True)].block_n == 4
+
+    monkeypatch.setattr(fast, "_current_device_name", lambda: "Fake GPU 9000")
+    assert fast.pick_config(1, 2560, 4096) == fast.LinearConfig(8, 512, 1, 4, 1)
+    assert fast.pick_config(12, 2560, 4096) == fast.LinearConfig(32, 512, 1, 4, 1)
+    assert fast.pick_config(1, 1234, 4096) == fast._heuristic_config(1, 1234, 4096, False)  # not in the table
+    monkeypatch.setitem(fast.TUNED, ("gemv", 2560, 4096, False), fast.LinearConfig(2, 256))
+    assert fast.pick_config(1, 2560, 4096).block_n == 2  # entries set in code take precedence
+
+
+def test_no_table_means_heuristics():
+    assert fast._current_device_name() is None  # CPU / interpreter runs never read a table
+    assert fast.pick_config(1, 2560, 4096) == fast._heuristic_config(1, 2560, 4096, False)
