@@ -58,6 +58,12 @@ def use_triton() -> bool:
     return _get("BATON_TRITON", "1") not in ("0", "", "false", "False")
 
 
+def use_fla() -> bool:
+    """``BATON_FLA`` (default off until its H200 check has run): CUDA prefill takes fla-core's ``chunk_kda``
+    instead of the PyTorch chunked form (tests/ops/test_kda_fla.py compares them)."""
+    return _get("BATON_FLA", "0") not in ("0", "", "false", "False")
+
+
 def use_pdl() -> bool:
     """``BATON_PDL`` (default on): launch Triton kernels with programmatic dependent launch where the GPU supports it
     (compute capability >= 9); ``0`` turns it off."""

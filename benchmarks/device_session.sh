@@ -25,7 +25,8 @@ source benchmarks/device_setup.sh
 export BATON_COMMIT=$(cat .whl/commit.txt 2>/dev/null || echo unknown)
 R=/tmp/res/$phase; mkdir -p "$R"
 GPU_TESTS="tests/ops/test_linear_triton.py tests/ops/test_attention_triton.py tests/ops/test_mla_triton.py
-  tests/ops/test_kda_triton.py tests/ops/test_moe_triton.py tests/ops/test_moe_fp8.py tests/engine/test_cuda_graphs.py"
+  tests/ops/test_kda_triton.py tests/ops/test_kda_fla.py tests/ops/test_moe_triton.py tests/ops/test_moe_fp8.py
+  tests/engine/test_cuda_graphs.py tests/ops/test_linear_table.py"
 nvidia-smi --query-gpu=index,name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv > "$R/gpu.txt"
 t0=$SECONDS
 py() { PYTHONUNBUFFERED=1 python3 "$@"; }

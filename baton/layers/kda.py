@@ -95,7 +95,7 @@ class KimiDeltaAttention(nn.Module):
         q, kk, v = (z.view(t, h, k) for z in qkv.split(p, dim=-1))
         g = kda_gate(f.reshape(t, h, k), self.A_log, self.dt_bias, self.lower_bound)  # [T, H, K] fp32
         beta = torch.sigmoid(b.float())  # [T, H]
-        o, final = kda_chunk(q, kk, v, g, beta, state.recurrent)
+        o, final = kda_chunk(q, kk, v, g, beta, state.recurrent, bounded_gate=self.lower_bound is not None)
         state.recurrent.copy_(final)
         state.conv.copy_(windows[-1])
         return self.o_norm(o, gate.reshape(t, h, k))

@@ -1,8 +1,10 @@
 """KDA (Kimi Delta Attention) ops. ``naive`` holds the plain-PyTorch references, ``triton`` the fused GPU kernel.
 
 ``kda_recurrent_fused`` dispatches: CUDA tensors with triton importable and ``baton.env.use_triton()`` take the
-Triton kernel, everything else the naive composition with the same signature. The Triton module is imported on
-first CUDA use only, so CPU runs never need triton (and tests can set ``TRITON_INTERPRET`` before it loads).
+Triton kernel, everything else the naive composition with the same signature. ``kda_chunk`` (prefill) takes
+fla-core's ``chunk_kda`` on CUDA when fla is importable and ``BATON_FLA=1``, else the naive chunked form.
+The Triton module is imported on first CUDA use only, so CPU runs never need triton (and tests can set
+``TRITON_INTERPRET`` before it loads).
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from typing import Any
 
 import torch
 
-from baton.env import use_triton
+from baton.env import use_fla, use_triton
 from baton.ops.kda import naive as _naive
-from baton.ops.kda.naive import kda_chunk, kda_decode_step, kda_gate, kda_recurrent, l2norm
+from baton.ops.kda.naive import kda_decode_step, kda_gate, kda_recurrent, l2norm
 
 __all__ = ["kda_chunk", "kda_decode_step", "kda_gate", "kda_recurrent", "kda_recurrent_fused", "l2norm"]
 
@@ -26,6 +28,43 @@ def _triton_impl() -> Any:
     except ImportError:
         return None
     return impl
+
+
+@functools.cache
+def _fla_chunk() -> Any:
+    try:
+        from fla.ops.kda import chunk_kda
+    except ImportError:
+        return None
+    return chunk_kda
+
+
+def kda_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 64,
+    bounded_gate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked KDA over a prompt (see ``naive.kda_chunk`` for the contract: q, k [T, H, K], v [T, H, V], g the
+    log-space decay [T, H, K], beta [T, H], state [H, K, V] fp32; returns o [T, H, V] in v's dtype and the final
+    fp32 state). fla's layout is the same with a leading batch of one. ``bounded_gate``: g comes from the
+    lower-bounded ("safe") gate, so fla may take its bounded-gate tensor-core path."""
+    fla = _fla_chunk() if q.is_cuda and use_fla() and chunk_size == 64 else None
+    if fla is None:
+        return _naive.kda_chunk(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, chunk_size)
+    dtype = v.dtype
+    s0 = None if initial_state is None else initial_state.float().unsqueeze(0).contiguous()  # [1, H, K, V]
+    o, final = fla(q.to(dtype).unsqueeze(0).contiguous(), k.to(dtype).unsqueeze(0).contiguous(),
+                   v.unsqueeze(0).contiguous(), g.float().unsqueeze(0).contiguous(),
+                   beta.float().unsqueeze(0).contiguous(), scale=scale, initial_state=s0, output_final_state=True,
+                   use_qk_l2norm_in_kernel=use_qk_l2norm, safe_gate=bounded_gate)
+    return o[0].to(dtype), final[0].float()
 
 
 def kda_recurrent_fused(
