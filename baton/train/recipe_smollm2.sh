@@ -7,6 +7,7 @@
 #   GPUS=cuda:0,cuda:1 bash baton/train/recipe_smollm2.sh [OUT]   # two GPUs: NEXTN and DSpark train side by side
 #   SPLIT=1 GPUS=cuda:0,cuda:1 ...                                # SplitServe: target on the first, trainer on the second
 #   ABLATE=1 [ABL_STEPS=400] ...                                  # also the Markov-rank and depth ablations
+#   SHIP=1 ...                                                    # copy the drafts into baton/drafts (the default)
 #
 # The shipped sizes (NEXTN one layer; DSpark one layer, block 16, Markov rank 16, taps 1,27; both bf16) keep
 # the two drafts under 20 MB. Each training directory gets the checkpoint, metrics.json and train_curves.png;
@@ -77,4 +78,15 @@ if [ "${ABLATE:-0}" = 1 ]; then
   on "$V1" baton train ablate --algorithm dspark --vary num_layers=1,2 --markov-rank 16 --output "$OUT/ablate-depth" \
       "${ABL[@]}"
   stamp ablate
+fi
+
+# 6. ship: the checkpoints (config, weights, STS) into the package, served by default on the embedded model
+if [ "${SHIP:-0}" = 1 ]; then
+  DEST=baton/drafts/smollm2-135m-instruct
+  rm -rf "$DEST" && mkdir -p "$DEST/nextn" "$DEST/dspark"
+  cp "$OUT/nextn/config.json" "$OUT/nextn/model.safetensors" "$DEST/nextn/"
+  cp "$OUT/dspark/config.json" "$OUT/dspark/model.safetensors" "$OUT/dspark/sts.json" "$DEST/dspark/"
+  echo '{"algorithm": "DSPARK", "num_draft_tokens": 9}' > "$DEST/defaults.json"
+  du -sh "$DEST"
+  stamp ship
 fi
