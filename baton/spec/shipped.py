@@ -34,6 +34,14 @@ def shipped_draft(algorithm: str) -> str | None:
     return path if path and os.path.isfile(os.path.join(path, "config.json")) else None
 
 
+def is_shipped(path: str | None) -> bool:
+    """Whether ``path`` is one of the shipped draft directories."""
+    if not path:
+        return False
+    root = os.path.abspath(shipped_root())
+    return os.path.commonpath([root, os.path.abspath(path)]) == root
+
+
 def shipped_defaults() -> dict:
     fn = os.path.join(shipped_root(), "defaults.json")
     if not os.path.isfile(fn):
@@ -71,4 +79,4 @@ def with_shipped_drafts(spec: SpecConfig, embedded: bool, requested: str | None)
     return SpecConfig(**dataclasses.asdict(spec))  # re-validate (NEXTN steps / window)
 
 
-__all__ = ["DISABLE", "shipped_defaults", "shipped_draft", "shipped_root", "with_shipped_drafts"]
+__all__ = ["DISABLE", "is_shipped", "shipped_defaults", "shipped_draft", "shipped_root", "with_shipped_drafts"]

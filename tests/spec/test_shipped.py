@@ -57,3 +57,13 @@ def test_no_shipped_drafts_means_plain(tmp_path, monkeypatch):
     monkeypatch.setenv("BATON_SHIPPED_DRAFTS", str(tmp_path / "missing"))
     assert not _args().spec.enabled
     assert shipped_draft("NEXTN") is None
+
+
+def test_sweep_config_repicks_the_shipped_draft(shipped):
+    from baton.bench.sweep import SweepConfig
+
+    base = _args()  # the embedded default: DSPARK with the shipped DSpark draft
+    nextn = SweepConfig("NEXTN", 2, 3).apply(base)
+    assert nextn.spec.algorithm == "NEXTN" and nextn.spec.draft_model_path == str(shipped / "nextn")
+    dspark = SweepConfig("DSPARK", None, 5).apply(base)
+    assert dspark.spec.draft_model_path == str(shipped / "dspark") and dspark.spec.num_draft_tokens == 5
