@@ -65,14 +65,15 @@ def _timed_runs(engine, args) -> list[dict]:
     return runs
 
 
+def _summary(spec: dict, runs: list[dict]) -> dict:
+    return {"spec": spec, "tpot_ms": summarize(runs, "tpot_ms"), "ttft_ms": summarize(runs, "ttft_ms"),
+            "accept_length": summarize(runs, "accept_length")}
+
+
 def _tp_leader(engine, args) -> dict:
     """Rank 0 under --tp-size > 1: the timed requests (mirrored on every rank by TPEngine). The census replays
     one rank's graphs alone, which a collective inside them cannot do, so it is left out at TP > 1."""
-    import torch.distributed as tdist
-
-    runs = _timed_runs(engine, args)
-    return {"runs": runs, "gpu_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
-            "world_size": tdist.get_world_size() if tdist.is_initialized() else 1}
+    return {"runs": _timed_runs(engine, args), "gpu_mem_gb": torch.cuda.max_memory_allocated() / 1e9}
 
 
 def run_mode(args, path: str, spec: dict) -> dict:
@@ -89,18 +90,15 @@ def run_mode(args, path: str, spec: dict) -> dict:
         from benchmarks.bench_ling_flash import _tp_leader as leader  # by module name: spawned ranks import it
 
         out = run_tp(server_args, leader, (args,))
-        runs = out["runs"]
-        return {"spec": spec, "tp_size": args.tp_size, "tpot_ms": summarize(runs, "tpot_ms"),
-                "ttft_ms": summarize(runs, "ttft_ms"), "accept_length": summarize(runs, "accept_length"),
-                "gpu_mem_gb_rank0": out["gpu_mem_gb"], "runs": runs}
+        return {**_summary(spec, out["runs"]), "tp_size": args.tp_size, "gpu_mem_gb_rank0": out["gpu_mem_gb"],
+                "runs": out["runs"]}
     engine = Engine(server_args)
     runs = _timed_runs(engine, args)
     census = run_census(engine, args.input_len, num_steps=50, profile_steps_n=10)
     print(format_census(census))
     _prepare(engine, args.input_len)
-    record = {"spec": spec, "tpot_ms": summarize(runs, "tpot_ms"), "ttft_ms": summarize(runs, "ttft_ms"),
-              "accept_length": summarize(runs, "accept_length"), "graph_us": graph_times(engine),
-              "census": census, "gpu_mem_gb": torch.cuda.max_memory_allocated() / 1e9, "runs": runs}
+    record = {**_summary(spec, runs), "graph_us": graph_times(engine), "census": census,
+              "gpu_mem_gb": torch.cuda.max_memory_allocated() / 1e9, "runs": runs}
     del engine
     gc.collect()
     torch.cuda.empty_cache()

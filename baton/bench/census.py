@@ -136,6 +136,15 @@ def _wrap_route(module, counts: list[int]):
     return lambda: setattr(module, "route", original)
 
 
+def _is_expert_weight(name: str) -> bool:
+    return name.endswith("experts.w13") or name.endswith("experts.w2")
+
+
+def _bytes_per_expert(experts) -> float:
+    """One expert's weights (w13 + w2; fp8 weights count their byte each)."""
+    return (experts.w13.nbytes + experts.w2.nbytes) / experts.w13.shape[0]
+
+
 def step_bytes(engine, input_len: int, num_verify: int, experts_per_layer: float) -> dict[str, float]:
     """Bytes one step must move at least once: weights touched (dense once, each distinct expert once, the
     lm_head per row set), linear-attention states read and written, the attention cache read."""
@@ -149,7 +158,7 @@ def step_bytes(engine, input_len: int, num_verify: int, experts_per_layer: float
     for name, p in model.named_parameters():
         if name.startswith("mtp.") or "embed" in name or "word_embeddings" in name:
             continue
-        if name.endswith("experts.w13") or name.endswith("experts.w2"):
+        if _is_expert_weight(name):
             continue
         dense += p.nbytes
     lm_head = model.lm_head_weight.nbytes
@@ -157,9 +166,7 @@ def step_bytes(engine, input_len: int, num_verify: int, experts_per_layer: float
         dense += lm_head
     experts = [m for n, m in model.named_modules() if isinstance(m, Experts) and not n.startswith("mtp.")]
     if experts:
-        e = experts[0]
-        per_expert = (e.w13.nbytes + e.w2.nbytes) / e.w13.shape[0]
-        expert_bytes = len(experts) * experts_per_layer * per_expert
+        expert_bytes = len(experts) * experts_per_layer * _bytes_per_expert(experts[0])
     state = 0
     cache_read = 0
     ctx = input_len
@@ -184,13 +191,9 @@ def draft_head_bytes(head) -> float:
     """Bytes one T=1 forward of a NEXTN head reads: its dense weights, plus top-k experts when it has a MoE."""
     from baton.layers.moe import Experts
 
-    dense = sum(p.nbytes for n, p in head.named_parameters()
-                if not (n.endswith("experts.w13") or n.endswith("experts.w2")) and "embed" not in n)
-    routed = 0.0
+    dense = sum(p.nbytes for n, p in head.named_parameters() if not _is_expert_weight(n) and "embed" not in n)
     top_k = max((getattr(m, "top_k", 0) for m in head.modules()), default=0)
-    for m in head.modules():
-        if isinstance(m, Experts):
-            routed += top_k * (m.w13.nbytes + m.w2.nbytes) / m.w13.shape[0]
+    routed = sum(top_k * _bytes_per_expert(m) for m in head.modules() if isinstance(m, Experts))
     return float(dense) + routed
 
 
