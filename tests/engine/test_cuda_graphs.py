@@ -91,12 +91,12 @@ def test_graph_replay_equals_eager_dspark(ling_path, ckpt_root):
 
 
 def _embedded_available() -> bool:
-    try:
-        from baton.models.gguf import find_embedded_gguf
+    from baton.models.gguf import EmbeddedModelNotFound, find_embedded_gguf
 
+    try:
         find_embedded_gguf()
         return True
-    except Exception:
+    except EmbeddedModelNotFound:
         return False
 
 

@@ -91,10 +91,16 @@ def _device_table(device_name: str) -> dict[tuple[str, int, int, bool], LinearCo
     return read_table(path) if path.is_file() else {}
 
 
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 def _current_device_name() -> str | None:
+    """The current GPU's name (read once per device: ``pick_config`` runs on every eager launch)."""
     if env.triton_interpret() or not torch.cuda.is_available():
         return None
-    return torch.cuda.get_device_name()
+    return _device_name(torch.cuda.current_device())
 
 
 @functools.cache
