@@ -33,7 +33,9 @@ py() { PYTHONUNBUFFERED=1 python3 "$@"; }
 case $phase in
 t)  # tune the decode-shape linear kernels (the census's largest loss): commit the table as
     # baton/ops/linear/tuned/nvidia-h200.json, then rerun the Ling / SmolLM2 benches
-  CUDA_VISIBLE_DEVICES=0 timeout 500 python3 -m baton.ops.linear.bench --tune --m 1 6 16 --json "$R/linear_tune.json" \
+  # first the kernels against their floors, with and without PDL (the A/B issue 5 asks for), then the sweep
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m baton.ops.linear.bench --json "$R/linear.json" > "$R/linear.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -m baton.ops.linear.bench --tune --m 1 6 16 --json "$R/linear_tune.json" \
       --write-table "$R/nvidia-h200.json" > "$R/linear_tune.log" 2>&1 ;;
 b0)
   BATON_TEST_REPORT=$R/figures.jsonl CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -q -m gpu \
