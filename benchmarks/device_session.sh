@@ -10,6 +10,14 @@
 #   d  (carry .whl)           TP2: all-reduce latency, the whole Ling-3.0-flash bf16 plain and NEXTN, fp8 NEXTN
 #   t  (carry .whl)           tune the linear kernels' configs; the table comes back as nvidia-h200.json
 #
+# The third session's order (drafts first): p, r, w (repeat until the report is done), d.
+#   p  (carry .carry0 .whl)   part 0; GPU 0: the logits test; GPU 1: the linear kernels against their floors,
+#                             PDL on and off
+#   r  (carry .carry1 .whl)   part 1 + GSM8K; rebuild the GGUF; the recipe in the background with time budgets
+#                             (data on GPU 0, then NEXTN on 0 and DSpark on 1); GPU 1 meanwhile: the tuning sweep
+#                             (cut at ${TUNE_S:-230} s; the table is written after every row)
+#   w  (carry .whl)           while the recipe trains: fla's chunk KDA test on GPU 0; then as c
+#
 # .carry0 = {part, index} of `device-parts.sh split <gguf> 48`; .carry1 = {part, index, sha256, gsm8k/}.
 set -uo pipefail
 phase=${1:?phase a|b|c|d}
@@ -31,6 +39,33 @@ nvidia-smi --query-gpu=index,name,memory.used,memory.total,clocks.sm,clocks.mem 
 t0=$SECONDS
 py() { PYTHONUNBUFFERED=1 python3 "$@"; }
 case $phase in
+p)
+  ( BATON_TEST_REPORT=$R/figures.jsonl CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -q -m gpu \
+      tests/engine/test_cuda_graphs.py -k logits -p no:cacheprovider -rfEs > "$R/logits_test.log" 2>&1 ) &
+  CUDA_VISIBLE_DEVICES=1 timeout 170 python3 -m baton.ops.linear.bench --json "$R/linear.json" > "$R/linear.log" 2>&1
+  wait ;;
+r)
+  ls -la /tmp/SmolLM2-135M-Instruct.Q4_1.gguf > "$R/gguf.txt" 2>&1
+  setsid nohup env OUT=/tmp/train GSM8K=/tmp/gsm8k GPUS=cuda:0,cuda:1 NUM_PROMPTS=${NUM_PROMPTS:-3000} \
+      EPOCHS=${EPOCHS:-2} DATA_BUDGET=${DATA_BUDGET:-240} TRAIN_BUDGET=${TRAIN_BUDGET:-300} MAX_NEW=${MAX_NEW:-320} \
+      bash baton/train/recipe_smollm2.sh /tmp/train > /tmp/train/recipe.log 2>&1 < /dev/null &
+  CUDA_VISIBLE_DEVICES=1 timeout ${TUNE_S:-230} python3 -m baton.ops.linear.bench --tune --m 1 6 16 \
+      --json "$R/linear_tune.json" --write-table "$R/nvidia-h200.json" > "$R/linear_tune.log" 2>&1
+  echo "tune rc=$? at $((SECONDS - t0)) s" >> "$R/linear_tune.log"
+  cp /tmp/train/recipe.log "$R/" ;;
+w)
+  if [ ! -f /tmp/res/w/kda_fla.log ]; then
+    BATON_TEST_REPORT=$R/figures.jsonl CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -q -m gpu \
+        tests/ops/test_kda_fla.py tests/ops/test_linear_table.py -p no:cacheprovider -rfEs > "$R/kda_fla.log" 2>&1
+  fi
+  end=$((SECONDS + ${WAIT_S:-420}))
+  while [ $SECONDS -lt $end ] && ! grep -q "report done" /tmp/train/recipe.log; do sleep 10; done
+  cp /tmp/train/recipe.log /tmp/train/*.log "$R/" 2>/dev/null
+  for d in nextn dspark; do
+    [ -f /tmp/train/$d/model.safetensors ] && tar czf "$OUT/$d.tgz" -C /tmp/train $d
+  done
+  cp /tmp/train/data/*.summary.json "$R/" 2>/dev/null
+  cp /tmp/res/drafts_* "$R/" 2>/dev/null; cp /tmp/train/drafts_* "$R/" 2>/dev/null ;;
 t)  # tune the decode-shape linear kernels (the census's largest loss): commit the table as
     # baton/ops/linear/tuned/nvidia-h200.json, then rerun the Ling / SmolLM2 benches
   # first the kernels against their floors, with and without PDL (the A/B issue 5 asks for), then the sweep

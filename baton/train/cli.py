@@ -74,6 +74,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="trainer device (default: cuda when available)")
     g.add_argument("--steps", type=int, default=None, help="optimiser steps (default: --epochs over the data)")
     g.add_argument("--epochs", type=float, default=2.0)
+    g.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="cut the run to the optimiser steps that fit in SECONDS (measured step time; the learning-rate "
+                        "schedule follows the cut; evaluations not counted)")
     g.add_argument("--batch-size", type=int, default=16, help="sequences per optimiser step")
     g.add_argument("--lr", type=float, default=6e-4)
     g.add_argument("--min-lr-ratio", type=float, default=0.0, help="cosine floor as a fraction of --lr")
@@ -140,7 +143,8 @@ def _train_options(ns: argparse.Namespace):
     return TrainOptions(output=ns.output, steps=ns.steps, epochs=ns.epochs, batch_size=ns.batch_size, lr=ns.lr,
                         min_lr_ratio=ns.min_lr_ratio, weight_decay=ns.weight_decay, warmup_frac=ns.warmup_frac,
                         grad_clip=ns.grad_clip, seed=ns.seed, log_every=ns.log_every, eval_every=ns.eval_every,
-                        max_seq_len=ns.max_seq_len, prefetch=ns.prefetch, save_dtype=ns.save_dtype)
+                        max_seq_len=ns.max_seq_len, prefetch=ns.prefetch, save_dtype=ns.save_dtype,
+                        time_budget=ns.time_budget)
 
 
 def _eval_spec(ns: argparse.Namespace, target, algorithm: str, num_steps: int | None = None):
@@ -230,7 +234,8 @@ def cmd_data(ns: argparse.Namespace) -> int:
                        temperatures=ns.temperatures, top_p=ns.top_p,
                        samples_per_temperature=ns.samples_per_temperature, max_new_tokens=ns.max_new_tokens,
                        prompt_formats=tuple(ns.prompt_formats.split(",")), num_shots=ns.num_shots,
-                       holdout_frac=ns.holdout_frac, holdout_output=ns.holdout_output, seed=ns.data_seed)
+                       holdout_frac=ns.holdout_frac, holdout_output=ns.holdout_output, seed=ns.data_seed,
+                       time_budget=ns.time_budget)
     if ns.backend == "hf" and ns.num_workers > 1:
         print("baton train data: --num-workers is for --backend engine (hf batches on one device)", file=sys.stderr)
         return 2
@@ -364,6 +369,10 @@ def _add_data(tsub: Any) -> None:
                    help="engine: baton's Engine, one request at a time; hf: batched generation through transformers "
                         "with the target's weights (llama targets; much faster on a GPU)")
     g.add_argument("--gen-batch-size", type=int, default=256, help="--backend hf: responses per batch")
+    g.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="stop starting new requests (engine) or batches (hf) once they would not end within SECONDS; "
+                        "the responses made so far are written (hf interleaves formats and settings, so a cut run "
+                        "stays balanced)")
     g.add_argument("--output", required=True, help="train records (JSONL)")
     g.add_argument("--holdout-output", default=None, help="held-out records (default: <output>.holdout.jsonl)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

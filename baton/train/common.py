@@ -165,6 +165,7 @@ class TrainOptions:
     max_seq_len: int = 2048
     prefetch: int = 2  # batches of target features computed ahead
     save_dtype: str = "bfloat16"  # dtype of the saved draft's floating tensors (training runs in fp32)
+    time_budget: float | None = None  # seconds of optimiser steps: the step count is cut to fit (see ``replan``)
 
 
 def lr_at(step: int, total: int, opts: TrainOptions) -> float:
@@ -175,6 +176,21 @@ def lr_at(step: int, total: int, opts: TrainOptions) -> float:
     progress = (step - warmup) / max(1, total - warmup)
     floor = opts.lr * opts.min_lr_ratio
     return floor + (opts.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+# Steps at which a --time-budget run re-estimates its step time and cuts its step count to fit: the first
+# estimate skips the first few steps (allocator and kernel warm-up), the later ones refine it.
+REPLAN_AT = (20, 100, 400)
+REPLAN_SKIP = 5
+
+
+def replan(total: int, done: int, elapsed: float, since_skip: float, budget: float) -> int:
+    """The step count that fits ``budget`` seconds: ``done`` steps took ``elapsed`` s, the last ``done -
+    REPLAN_SKIP`` of them ``since_skip`` s (the per-step estimate). Never more than ``total`` nor less than
+    ``done`` (a budget already spent ends the run at the next step)."""
+    per_step = since_skip / max(1, done - REPLAN_SKIP)
+    fits = done + int(max(0.0, budget - elapsed) / max(per_step, 1e-9))
+    return max(done, min(total, fits))
 
 
 def make_optimizer(module: nn.Module, opts: TrainOptions) -> torch.optim.AdamW:
@@ -226,7 +242,11 @@ def train_loop(task: Task, feature_batches: Iterator[list[tuple[Sample, Any]]], 
                evaluate: Callable[[nn.Module], float] | None = None, desc: str = "train") -> History:
     """AdamW steps over ``feature_batches`` (lists of (sample, target features)); per step the samples'
     weighted loss sums are divided by the batch's total weight, so the loss is a weighted mean over every
-    trained position of the batch. Logs, evaluates, and returns the history."""
+    trained position of the batch. Logs, evaluates, and returns the history.
+
+    With ``opts.time_budget`` the run is cut to the steps that fit the budget: at each step of ``REPLAN_AT``
+    the measured step time sets a new, smaller ``total_steps`` (the learning-rate schedule follows it, so the
+    cosine still reaches its floor), and a run over budget stops at once. Evaluations are not counted."""
     torch.manual_seed(opts.seed)
     gen = torch.Generator().manual_seed(opts.seed)
     optimizer = make_optimizer(task.module, opts)
@@ -236,11 +256,24 @@ def train_loop(task: Task, feature_batches: Iterator[list[tuple[Sample, Any]]], 
     if evaluate is not None and opts.eval_every:
         history.evals.append({"step": 0, "accept_length": _evaluate(task, evaluate)})
     bar = tqdm(total=total_steps, desc=desc, unit="step", disable=env.disable_progress())
+    budget, spent, t_skip = opts.time_budget, 0.0, 0.0  # spent: seconds of steps (evaluations excluded)
     for step, batch in enumerate(feature_batches):
+        if step >= total_steps:
+            break
         lr = lr_at(step, total_steps, opts)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        ts = time.perf_counter()
         record = _train_step(task, batch, gen, optimizer, opts, device)
+        spent += time.perf_counter() - ts
+        t_skip = spent if step + 1 == REPLAN_SKIP else t_skip
+        if budget is not None and (step + 1 in REPLAN_AT or spent >= budget):
+            cut = replan(total_steps, step + 1, spent, spent - t_skip, budget)
+            if cut < total_steps:
+                log.info("time budget %.0f s: %d steps in %.1f s, total cut from %d to %d steps", budget, step + 1,
+                         spent, total_steps, cut)
+                total_steps = cut
+                bar.total = cut
         record.update(step=step + 1, lr=lr, elapsed_s=time.perf_counter() - t0)
         history.steps.append(record)
         bar.update(1)
@@ -378,5 +411,5 @@ def plot_curves(runs: dict[str, History], path: str, accept_bars: dict[str, floa
 
 
 __all__ = ["FrozenHead", "History", "Sample", "TrainOptions", "autocast", "batches", "finish_stats", "lr_at",
-           "make_optimizer", "masked_attention", "merge_stats", "plot_curves", "read_jsonl", "read_samples",
+           "make_optimizer", "replan", "masked_attention", "merge_stats", "plot_curves", "read_jsonl", "read_samples",
            "resolve_device", "steps_for", "train_loop", "write_history", "write_jsonl"]

@@ -170,6 +170,7 @@ class DataOptions:
     holdout_frac: float = 0.02
     holdout_output: str | None = None
     seed: int = 0
+    time_budget: float | None = None  # seconds: no new request (engine) or batch (hf) once it would overrun
 
 
 @dataclass
@@ -240,15 +241,19 @@ def _warn_skipped(skipped: int) -> None:
 
 
 def generate_records(engine: Any, jobs: Jobs, max_new_tokens: int, seed: int,
-                     shard: tuple[int, int] = (0, 1)) -> list[dict[str, Any]]:
+                     shard: tuple[int, int] = (0, 1), time_budget: float | None = None) -> list[dict[str, Any]]:
     """One record per (prompt, format, setting) of shard ``(index, count)`` (prompts i with i % count ==
-    index), generated one request at a time (tqdm progress). ``order`` keys the canonical record order."""
+    index), generated one request at a time (tqdm progress). ``order`` keys the canonical record order.
+    ``time_budget``: seconds after which no new prompt starts (the records so far are returned)."""
     index, count = shard
     work = _work(jobs, shard)
-    records, skipped = [], 0
+    records, skipped, t0 = [], 0, time.perf_counter()
     bar = tqdm(total=len(work) * len(jobs.settings), desc=f"generate {index + 1}/{count}", unit="resp",
                disable=env.disable_progress())
-    for i, item, f, fmt in work:
+    for n, (i, item, f, fmt) in enumerate(work):
+        if time_budget is not None and time.perf_counter() - t0 >= time_budget:
+            log.warning("time budget %.0f s spent: %d of %d prompts generated", time_budget, n, len(work))
+            break
         prepared = _prepare(engine, jobs, item, fmt, max_new_tokens)
         if prepared is None:
             skipped += 1
@@ -355,18 +360,20 @@ def _periodic_rows_done(rows: list[_Row], width: int, every: int) -> Any:
 
 def _hf_batches(jobs: list[_HFJob], num_settings: int, batch_size: int) -> list[list[_HFJob]]:
     """One sampling setting and one prompt format per batch (so short chat prompts are never padded to the
-    length of few-shot ones); within those, prompts sorted by length (little padding)."""
-    out = []
+    length of few-shot ones); within those, prompts sorted by length (little padding). The groups' batches are
+    interleaved, so a run cut by a time budget still holds every setting and format in proportion (missing
+    the longest prompts of each)."""
+    groups = []
     for j in range(num_settings):
         for fmt in dict.fromkeys(job.fmt for job in jobs):
             group = sorted((job for job in jobs if job.j == j and job.fmt == fmt),
                            key=lambda job: (len(job.ids), job.i, job.f))
-            out += [group[k : k + batch_size] for k in range(0, len(group), batch_size)]
-    return out
+            groups.append([group[k : k + batch_size] for k in range(0, len(group), batch_size)])
+    return [g[k] for k in range(max(map(len, groups), default=0)) for g in groups if k < len(g)]
 
 
 def generate_records_hf(engine: Any, jobs: Jobs, max_new_tokens: int, seed: int,
-                        batch_size: int = 256) -> list[dict[str, Any]]:
+                        batch_size: int = 256, time_budget: float | None = None) -> list[dict[str, Any]]:
     """The records ``generate_records`` writes, generated in batches by a Hugging Face ``LlamaForCausalLM``
     holding the engine's weights (left padding with an attention mask, one sampling setting and one prompt
     format per batch).
@@ -379,7 +386,10 @@ def generate_records_hf(engine: Any, jobs: Jobs, max_new_tokens: int, seed: int,
     Greedy records equal the engine's up to floating-point differences between the two implementations (on
     CPU in fp32 they agree). Sampled records come from ``torch.manual_seed(batch_seed(seed, batch index))``
     per batch, so they are reproducible for a fixed ``batch_size`` (and device), but not the engine
-    backend's samples; their ``seed`` field is that batch seed."""
+    backend's samples; their ``seed`` field is that batch seed.
+
+    ``time_budget``: seconds; a batch starts only if the slowest batch of its format so far would still end
+    within it (the records so far are returned; the interleaved batch order keeps them balanced)."""
     import torch
     from transformers import StoppingCriteriaList
 
@@ -404,7 +414,12 @@ def generate_records_hf(engine: Any, jobs: Jobs, max_new_tokens: int, seed: int,
     records: list[dict[str, Any]] = []
     kept = generated = 0
     t0 = time.perf_counter()
+    slowest: dict[str, float] = {}  # format -> the longest batch of it so far (s)
     for b, batch in enumerate(batches):
+        if time_budget is not None and time.perf_counter() - t0 + slowest.get(batch[0].fmt, 0.0) > time_budget:
+            log.warning("hf backend: time budget %.0f s: stopping after %d of %d batches (%d of %d responses)",
+                        time_budget, b, len(batches), len(records), len(work))
+            break
         st = jobs.settings[batch[0].j]
         s = batch_seed(seed, b)
         sp = [SamplingParams(temperature=st.temperature, top_p=st.top_p, max_new_tokens=job.budget, stop=job.stop)
@@ -442,6 +457,7 @@ def generate_records_hf(engine: Any, jobs: Jobs, max_new_tokens: int, seed: int,
                                    row.finish_reason))
             kept += len(row.ids)
         now = time.perf_counter()
+        slowest[batch[0].fmt] = max(slowest.get(batch[0].fmt, 0.0), now - tb)
         dt = max(now - t0, 1e-9)
         log.info("hf backend: batch %d/%d (%s, T=%g): %d rows, prompt width %d, %d/%d steps in %.1f s (%.1f ms/step); "
                  "%d/%d responses, %d tokens kept, %.0f tokens/s (%.0f/s generated), elapsed %.0f s, eta %.0f s",
@@ -486,9 +502,9 @@ def build_dataset(engine: Any, opts: DataOptions, backend: str = "engine", gen_b
     summary."""
     jobs = plan_jobs(opts, engine.tokenizer)
     if backend == "hf":
-        records = generate_records_hf(engine, jobs, opts.max_new_tokens, opts.seed, gen_batch_size)
+        records = generate_records_hf(engine, jobs, opts.max_new_tokens, opts.seed, gen_batch_size, opts.time_budget)
     elif backend == "engine":
-        records = generate_records(engine, jobs, opts.max_new_tokens, opts.seed)
+        records = generate_records(engine, jobs, opts.max_new_tokens, opts.seed, time_budget=opts.time_budget)
     else:
         raise ValueError(f"backend {backend!r}: choose from {', '.join(BACKENDS)}")
     return write_dataset(records, opts)
@@ -500,7 +516,7 @@ def _shard_worker(args: Any, opts: DataOptions, index: int, count: int, path: st
 
     engine = Engine(args)
     write_jsonl(path, generate_records(engine, plan_jobs(opts, engine.tokenizer), opts.max_new_tokens, opts.seed,
-                                       (index, count)))
+                                       (index, count), opts.time_budget))
 
 
 def build_dataset_parallel(args: Any, opts: DataOptions, num_workers: int) -> dict[str, Any]:

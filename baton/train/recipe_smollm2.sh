@@ -4,10 +4,12 @@
 # command (or one benchmark script); all seeds are fixed. Run from the repository root.
 #
 #   bash baton/train/recipe_smollm2.sh [OUT]                      # one GPU, time-shared
+#   GPUS=cpu bash baton/train/recipe_smollm2.sh [OUT]             # no GPU (a smoke run with small NUM_PROMPTS etc.)
 #   GPUS=cuda:0,cuda:1 bash baton/train/recipe_smollm2.sh [OUT]   # two GPUs: NEXTN and DSpark train side by side
 #   SPLIT=1 GPUS=cuda:0,cuda:1 ...                                # SplitServe: target on the first, trainer on the second
 #   ABLATE=1 [ABL_STEPS=400] ...                                  # also the Markov-rank and depth ablations
 #   SHIP=1 ...                                                    # copy the drafts into baton/drafts (the default)
+#   DATA_BUDGET=270 TRAIN_BUDGET=300 ...                          # seconds: cut generation / each training run to fit
 #
 # The shipped sizes (NEXTN one layer; DSpark one layer, block 16, Markov rank 16, taps 1,27; both bf16) keep
 # the two drafts under 20 MB. Each training directory gets the checkpoint, metrics.json and train_curves.png;
@@ -22,16 +24,25 @@ NUM_PROMPTS=${NUM_PROMPTS:-3000}
 EPOCHS=${EPOCHS:-2}
 GEN_BATCH=${GEN_BATCH:-1024}
 REPORT_QUESTIONS=${REPORT_QUESTIONS:-32}
+MAX_NEW=${MAX_NEW:-384}
+# optional time budgets (seconds): generation stops starting batches, training cuts its step count (and its
+# learning-rate schedule) to fit; unset = the full NUM_PROMPTS and EPOCHS
+DATA_BUDGET=(${DATA_BUDGET:+--time-budget "$DATA_BUDGET"})
+TRAIN_BUDGET=(${TRAIN_BUDGET:+--time-budget "$TRAIN_BUDGET"})
 DATA=$OUT/data/gsm8k.jsonl
 HOLD=$OUT/data/gsm8k.holdout.jsonl
-EVAL=(--holdout-data "$HOLD" --eval-prompts 32 --eval-max-new-tokens 256 --eval-every 0)
-COMMON=(--train-data "$DATA" --epochs "$EPOCHS" --batch-size 16 --lr 6e-4 --seed 0 --save-dtype bfloat16)
+EVAL_PROMPTS=${EVAL_PROMPTS:-32}
+EVAL_TOKENS=${EVAL_TOKENS:-256}  # also the report's --max-new-tokens
+EVAL=(--holdout-data "$HOLD" --eval-prompts "$EVAL_PROMPTS" --eval-max-new-tokens "$EVAL_TOKENS" --eval-every 0)
+COMMON=(--train-data "$DATA" --epochs "$EPOCHS" --batch-size 16 --lr 6e-4 --seed 0 --save-dtype bfloat16
+        "${TRAIN_BUDGET[@]}")
 # Each command sees only the GPUs it uses (CUDA_VISIBLE_DEVICES), so inside it the first is always cuda:0.
 idx() { case $1 in cuda:*) echo "${1#cuda:}" ;; *) echo 0 ;; esac; }
+D=cuda:0; [ "$GPUS" = cpu ] && D=cpu  # the device every command names
 if [ "${SPLIT:-0}" = 1 ]; then
   V0="$(idx "$G0"),$(idx "$G1")"; V1=$V0; DEV_N=(--target-device cuda:0 --device cuda:1); DEV_D=("${DEV_N[@]}")
 else
-  V0=$(idx "$G0"); V1=$(idx "$G1"); DEV_N=(--target-device cuda:0 --device cuda:0); DEV_D=("${DEV_N[@]}")
+  V0=$(idx "$G0"); V1=$(idx "$G1"); DEV_N=(--target-device "$D" --device "$D"); DEV_D=("${DEV_N[@]}")
 fi
 on() { local v=$1; shift; CUDA_VISIBLE_DEVICES=$v "$@"; }
 t0=$SECONDS
@@ -40,8 +51,8 @@ stamp() { echo "[recipe] $1 done at $((SECONDS - t0)) s"; }
 # 1. data: chat and 5-shot prompts (the format `baton eval gsm8k` sends), greedy + sampled at T 0.7; batched
 #    generation through transformers with the target's own weights
 on "$V0" baton train data --data-path "$GSM8K" --num-prompts "$NUM_PROMPTS" --prompt-formats chat,fewshot \
-    --temperatures 0,0.7 --top-p 0.95 --max-new-tokens 384 --holdout-frac 0.02 --data-seed 0 \
-    --backend hf --gen-batch-size "$GEN_BATCH" --device cuda:0 --output "$DATA"
+    --temperatures 0,0.7 --top-p 0.95 --max-new-tokens "$MAX_NEW" --holdout-frac 0.02 --data-seed 0 \
+    --backend hf --gen-batch-size "$GEN_BATCH" --device "$D" --output "$DATA" "${DATA_BUDGET[@]}"
 stamp data
 
 # 2. NEXTN head (Ling MTP structure, one Llama layer), 3 chain steps unrolled; 3. DSpark, one layer, block 16
@@ -55,16 +66,16 @@ stamp dspark
 wait $pid_n || { tail -20 "$OUT/nextn.log"; exit 1; }
 stamp nextn
 on "$V1" baton train calibrate --draft "$OUT/dspark" --holdout-data "$HOLD" --output "$OUT/dspark/sts.json" \
-    --target-device cuda:0 --device cuda:0 --mode greedy
+    --target-device "$D" --device "$D" --mode greedy
 stamp calibrate
 
 # 4. the report: accept length on GSM8K test (never trained on), greedy and T 0.7
 on "$V0" python3 benchmarks/bench_drafts.py --nextn "$OUT/nextn" --data-path "$GSM8K" \
-    --num-questions "$REPORT_QUESTIONS" --dspark-gammas "" --device cuda:0 --output-name drafts_gsm8k_nextn > "$OUT/report_nextn.log" 2>&1 &
+    --num-questions "$REPORT_QUESTIONS" --max-new-tokens "$EVAL_TOKENS" --dspark-gammas "" --device "$D" --output-name drafts_gsm8k_nextn > "$OUT/report_nextn.log" 2>&1 &
 pid_r=$!
 [ "$G0" = "$G1" ] && wait $pid_r
 on "$V1" python3 benchmarks/bench_drafts.py --dspark "$OUT/dspark" --data-path "$GSM8K" \
-    --num-questions "$REPORT_QUESTIONS" --nextn-steps "" --device cuda:0 --output-name drafts_gsm8k_dspark > "$OUT/report_dspark.log" 2>&1
+    --num-questions "$REPORT_QUESTIONS" --max-new-tokens "$EVAL_TOKENS" --nextn-steps "" --device "$D" --output-name drafts_gsm8k_dspark > "$OUT/report_dspark.log" 2>&1
 wait $pid_r
 stamp report
 

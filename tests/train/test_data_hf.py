@@ -139,7 +139,8 @@ def test_eos_only_batches_run_without_host_criteria(engine, tmp_path, prompts_fi
 
 def test_batches_keep_settings_and_formats_apart():
     """Within a sampling setting, prompts sorted by length; chat (short) and fewshot (long) never share a batch,
-    so no chat row is padded to a few-shot prompt's length."""
+    so no chat row is padded to a few-shot prompt's length. The groups' batches are interleaved (first batch of
+    each group, then the second of each, ...)."""
     item = data.PromptItem("p", "x", question="q")
     lens = {"chat": [5, 9, 3, 7, 30], "fewshot": [20, 40, 25]}  # a chat prompt longer than a fewshot one
     jobs = [data._HFJob(i, item, f, fmt, j, [0] * n, [], 4) for j in range(2) for f, fmt in enumerate(lens)
@@ -147,8 +148,10 @@ def test_batches_keep_settings_and_formats_apart():
     batches = data._hf_batches(jobs, 2, 3)
     expect = [[("chat", 3), ("chat", 5), ("chat", 7)], [("chat", 9), ("chat", 30)],
               [("fewshot", 20), ("fewshot", 25), ("fewshot", 40)]]
+    chat, fewshot = expect[:2], expect[2:]
+    order = [(0, chat[0]), (0, fewshot[0]), (1, chat[0]), (1, fewshot[0]), (0, chat[1]), (1, chat[1])]
     assert [[(b.j, b.fmt, len(b.ids)) for b in batch] for batch in batches] == [
-        [(j, *x) for x in batch] for j in range(2) for batch in expect]
+        [(j, *x) for x in batch] for j, batch in order]
 
 
 def test_progress_line_per_batch(engine, tmp_path, prompts_file, caplog):

@@ -195,16 +195,18 @@ def _candidates(m: int, n_out: int, k: int, swiglu: bool) -> list:
 
 
 def tune_linear(shapes: list[BenchShape], dtype: torch.dtype = torch.bfloat16, ms: tuple[int, ...] = (1, 16),
-                use_pdl: bool | None = None, seed: int = 0) -> list[dict]:
+                use_pdl: bool | None = None, seed: int = 0,
+                on_row: Callable[[list[dict]], object] | None = None) -> list[dict]:
     """Sweep LinearConfig candidates per (shape, M) and return the best per row with its µs, next to the
-    bucket rule's choice; the winners are meant for ``triton.TUNED``."""
+    bucket rule's choice (what ``write_table`` turns into this GPU's table). M-major: every shape at the first
+    M, then at the next; ``on_row(rows so far)`` after each row (a sweep cut short still leaves a table)."""
     from baton.ops.linear import triton as fast
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     pdl = fast.pdl_enabled(torch.device("cuda")) if use_pdl is None else use_pdl
-    rows = []
-    for base in shapes:
-        for m in ms:
+    rows: list[dict] = []
+    for m in ms:
+        for base in shapes:
             s = base.with_m(m)
             n_out = s.n // 2 if s.swiglu else s.n
             inp = _inputs(s, dtype, gen)
@@ -229,6 +231,8 @@ def tune_linear(shapes: list[BenchShape], dtype: torch.dtype = torch.bfloat16, m
                              default_us=default_us, top=[(us, c.__dict__) for us, c in results[:5]]))
             del inp, ws
             torch.cuda.empty_cache()
+            if on_row is not None:
+                on_row(rows)
     return rows
 
 
@@ -245,10 +249,15 @@ def write_table(rows: list[dict], device_name: str, path: str = "default") -> st
             "kind": kind, "n_out": r["n_out"], "k": r["k"], "swiglu": r["swiglu"], "config": r["best"],
             "us": round(r["best_us"], 2), "gbps": round(r["best_gbps"]), "m": r["m"]}
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump({"device": device_name, "torch": torch.__version__, "entries": list(entries.values())}, f,
-                  indent=1)
+    _dump({"device": device_name, "torch": torch.__version__, "entries": list(entries.values())}, out)
     return str(out)
+
+
+def _dump(obj: object, path: str) -> None:
+    """JSON to ``path`` through a temporary file (a run killed mid-write leaves the previous file whole)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -270,23 +279,29 @@ def main() -> None:
                          "baton/ops/linear/tuned/<gpu name>.json), which pick_config then reads")
     args = ap.parse_args()
     shapes = [s for s in LING_SHAPES + SMOL_SHAPES if args.only in s.name]
+    if args.write_table and not args.tune:
+        raise SystemExit("--write-table needs --tune")
+
+    def save(rows: list[dict]) -> None:
+        if args.json:
+            _dump(rows, args.json)
+        if args.write_table:
+            write_table(rows, torch.cuda.get_device_name(), args.write_table)
+
     if args.tune:
-        rows = tune_linear(shapes, ms=tuple(args.m))
-        for r in rows:
-            print(f"{r['name']:24s} M={r['m']:2d} best {r['best_us']:8.2f} us {r['best_gbps']:6.0f} GB/s "
-                  f"{r['best']}  default {r['default_us']:8.2f} us")
+        rows = tune_linear(shapes, ms=tuple(args.m), on_row=lambda rows: (save(rows), _print_tuned(rows[-1])))
     else:
         rows = bench_linear(shapes, ms=tuple(args.m))
         _print_table(rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    save(rows)
     if args.write_table:
-        if not args.tune:
-            raise SystemExit("--write-table needs --tune")
-        path = write_table(rows, torch.cuda.get_device_name(), args.write_table)
-        print(f"wrote {len(rows)} tuned entries to {path}")
+        print(f"wrote {len(rows)} tuned entries to {args.write_table}")
     print(json.dumps({"rows": len(rows)}))
+
+
+def _print_tuned(r: dict) -> None:
+    print(f"{r['name']:24s} M={r['m']:2d} best {r['best_us']:8.2f} us {r['best_gbps']:6.0f} GB/s {r['best']}  "
+          f"default {r['default_us']:8.2f} us", flush=True)
 
 
 if __name__ == "__main__":
