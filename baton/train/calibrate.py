@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from baton import env
 from baton.spec.dspark import DSparkDraftModel
-from baton.train.common import FrozenHead, Sample
+from baton.train.common import FrozenHead, Sample, autocast, fast_fp32_matmul
 from baton.train.dspark import block_outputs, sample_anchors
 from baton.train.online import TargetFeatures
 
@@ -121,7 +121,9 @@ def collect_confidence(model: DSparkDraftModel, frozen: FrozenHead, provider: Ta
             continue
         feats = provider(sample.ids).to(device)
         ids = torch.tensor(sample.ids, dtype=torch.long, device=device)
-        out = block_outputs(model, frozen, ids, sample.prompt_len, feats, anchors)
+        # as in training: bf16 target features meet the fp32 draft under bf16 autocast
+        with fast_fp32_matmul(device), autocast(device):
+            out = block_outputs(model, frozen, ids, sample.prompt_len, feats, anchors)
         gamma = out.blocks.valid.shape[1]
         valid = out.blocks.valid.float().cumprod(1).bool()  # [n, gamma]
         if mode == "greedy":

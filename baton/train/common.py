@@ -119,6 +119,22 @@ def _no_autocast(device: torch.device):
     return torch.autocast(device.type, enabled=False) if device.type == "cuda" else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def fast_fp32_matmul(device: torch.device):
+    """TF32 for the fp32 matmuls of a training run on CUDA (the frozen lm_head's fp32 logits over a 49k-152k
+    vocabulary dominate a step's FLOPs; TF32 runs them on the tensor cores at ~1e-3 relative error, the same
+    order as the bf16 lm_head the served target uses). No effect on CPU; the previous setting is restored."""
+    if device.type != "cuda":
+        yield
+        return
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def autocast(device: torch.device):
     """bf16 autocast on CUDA, plain fp32 on CPU."""
     if device.type == "cuda":
@@ -210,7 +226,9 @@ class Plan(Protocol):
     weight_sum: float  # the sample's total loss weight (known before the forward)
 
 
-Stats = dict[str, tuple[float, float]]  # name -> (sum, count): logged as sum / count over the batch
+# name -> (sum, count): logged as sum / count over the batch. A sum may stay a 0-d device tensor until the step
+# ends (``finish_stats``), so that logging costs one device sync per step, not several per sample.
+Stats = dict[str, tuple["float | torch.Tensor", float]]
 
 
 class Task(Protocol):
@@ -310,12 +328,12 @@ def _train_step(task: Task, batch: list[tuple[Sample, Any]], gen: torch.Generato
         with autocast(device):
             loss, sample_stats = task.loss(sample, feats, plan)
         (loss / total).backward()
-        loss_sum += float(loss.detach())
+        loss_sum = loss_sum + loss.detach()
         merge_stats(stats, sample_stats)
     params = [p for p in task.module.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, opts.grad_clip) if opts.grad_clip > 0 else torch.tensor(0.0)
     optimizer.step()
-    record = {"loss": loss_sum / total, **finish_stats(stats)}
+    record = {"loss": float(loss_sum) / total, **finish_stats(stats)}
     record.update(grad_norm=float(grad_norm), tokens=float(sum(s.num_tokens for s, _ in batch)))
     return record
 
@@ -328,7 +346,7 @@ def merge_stats(into: Stats, new: Stats) -> Stats:
 
 
 def finish_stats(stats: Stats) -> dict[str, float]:
-    return {k: s / n for k, (s, n) in stats.items() if n > 0}
+    return {k: float(s) / n for k, (s, n) in stats.items() if n > 0}
 
 
 # ---- outputs ----
@@ -410,6 +428,6 @@ def plot_curves(runs: dict[str, History], path: str, accept_bars: dict[str, floa
     plt.close(fig)
 
 
-__all__ = ["FrozenHead", "History", "Sample", "TrainOptions", "autocast", "batches", "finish_stats", "lr_at",
-           "make_optimizer", "replan", "masked_attention", "merge_stats", "plot_curves", "read_jsonl", "read_samples",
-           "resolve_device", "steps_for", "train_loop", "write_history", "write_jsonl"]
+__all__ = ["FrozenHead", "History", "Sample", "TrainOptions", "autocast", "batches", "fast_fp32_matmul",
+           "finish_stats", "lr_at", "make_optimizer", "masked_attention", "merge_stats", "plot_curves", "read_jsonl",
+           "read_samples", "replan", "resolve_device", "steps_for", "train_loop", "write_history", "write_jsonl"]

@@ -174,7 +174,7 @@ def packed_forward(model: DSparkDraftModel, taps: torch.Tensor, block_embeds: to
     [N, d] at ``block_positions`` [N], ``mask`` [N, S + N] -> final-normed slot hidden states [N, d]."""
     s = taps.shape[0]
     ctx_positions = torch.arange(s, device=taps.device)
-    h_ctx = model.hidden_norm(model.fc(taps))  # [S, d] H_ctx
+    h_ctx = model.hidden_norm(model.fc(taps.to(model.fc.weight.dtype)))  # [S, d] H_ctx (bf16 taps, fp32 draft)
     x = block_embeds
     n = x.shape[0]
     for layer in model.layers:
@@ -291,29 +291,32 @@ class DSparkTask:
     def loss(self, sample: Sample, feats: Features, plan: DSparkPlan) -> tuple[torch.Tensor, Stats]:
         ids = torch.tensor(sample.ids, dtype=torch.long, device=self.device)
         out = block_outputs(self.module, self.frozen, ids, sample.prompt_len, feats, plan.anchors)
-        w = plan.weights.to(self.device).reshape(-1)  # [N]
+        w_host = plan.weights.reshape(-1)  # [N]
+        w = w_host.to(self.device, non_blocking=True)
         parts = dspark_loss(out.logits, out.target_logits, out.blocks.labels, out.conf_logits, w, self.alphas)
         with torch.no_grad():
-            stats = _stats(parts, out, w)
+            stats = _stats(parts, out, w, w_host)
         return parts.total, stats
 
     def save(self, path: str) -> None:
         save_dspark_draft(self.module, self.cfg, path)
 
 
-def _stats(parts: LossParts, out: BlockOutputs, w: torch.Tensor) -> Stats:
-    wsum = float(w.sum())
+def _stats(parts: LossParts, out: BlockOutputs, w: torch.Tensor, w_host: torch.Tensor) -> Stats:
+    """The logged statistics; sums stay on the device (``common.finish_stats`` reads them once per step),
+    counts come from the host copy of the weights ``w_host``."""
+    wsum = float(w_host.sum())
     on = w > 0
-    n_on = float(on.sum())
+    n_on = float((w_host > 0).sum())
     correct = (out.logits.argmax(-1) == out.blocks.labels) & on
     gamma = out.blocks.valid.shape[1]
-    first = on.view(-1, gamma)[:, 0]
-    stats: Stats = {"loss_ce": (float((w * parts.ce).sum()), wsum), "loss_tv": (float((w * parts.tv).sum()), wsum),
-                    "acc": (float(correct.sum()), n_on),
-                    "acc_k0": (float(correct.view(-1, gamma)[:, 0].sum()), float(first.sum())),
-                    "accept_est": (float(parts.c_star[on].sum()), n_on)}
+    first = float((w_host.view(-1, gamma)[:, 0] > 0).sum())
+    stats: Stats = {"loss_ce": ((w * parts.ce).sum(), wsum), "loss_tv": ((w * parts.tv).sum(), wsum),
+                    "acc": (correct.sum(), n_on),
+                    "acc_k0": (correct.view(-1, gamma)[:, 0].sum(), first),
+                    "accept_est": ((parts.c_star * on).sum(), n_on)}
     if parts.bce is not None:
-        stats["loss_conf"] = (float((w * parts.bce).sum()), wsum)
+        stats["loss_conf"] = ((w * parts.bce).sum(), wsum)
     return stats
 
 

@@ -20,7 +20,17 @@ from baton.engine.engine import pick_device
 from baton.models.base import CausalLM
 from baton.models.load import load_target
 from baton.models.loader import cast_checkpoint, parse_dtype
-from baton.train.common import History, Sample, Task, TrainOptions, batches, steps_for, train_loop, write_history
+from baton.train.common import (
+    History,
+    Sample,
+    Task,
+    TrainOptions,
+    batches,
+    fast_fp32_matmul,
+    steps_for,
+    train_loop,
+    write_history,
+)
 from baton.train.evaluate import AcceptLengthEval, spec_args
 from baton.train.online import FeaturePrefetcher, TargetFeatures
 
@@ -70,8 +80,8 @@ def run_training(task: Task, target: FrozenTarget, layer_ids: Sequence[int], sam
         evaluator.build()  # before the feature worker starts: CUDA graphs are captured with no other thread busy
     log.info("training %s: %d samples, %d steps of %d sequences", title, len(samples), total, opts.batch_size)
     try:
-        with FeaturePrefetcher(provider, batches(samples, opts.batch_size, total, opts.seed), device,
-                               opts.prefetch) as prefetcher:
+        with fast_fp32_matmul(device), FeaturePrefetcher(provider, batches(samples, opts.batch_size, total, opts.seed),
+                                                         device, opts.prefetch) as prefetcher:
             evaluate = None if evaluator is None else _paused(prefetcher, evaluator)
             history = train_loop(task, iter(prefetcher), total, opts, device, evaluate, desc=title)
     finally:

@@ -117,6 +117,23 @@ def test_packed_forward_matches_serving_blocks(target_path):
             torch.testing.assert_close(out.target_logits[rows][:2], frozen.logits(feats.hidden[a : a + 2]))
 
 
+def test_bf16_features_feed_an_fp32_draft(target_path):
+    """A bf16 target (GPU training, `baton train calibrate`) hands bf16 taps to the fp32 draft: the packed
+    forward takes them (the H200 calibrate run of 2026-11-29 failed here with a dtype mismatch)."""
+    target = load_frozen_target(ServerArgs(model_path=target_path, device="cpu"))
+    model, cfg = build_trainable_draft(target.config, DSparkOptions(block_size=4, num_layers=1, markov_rank=8), CPU)
+    frozen = FrozenHead(target.model, CPU)
+    ids = torch.tensor([5, 17, 42, 8, 3, 60, 11, 29, 33, 7, 9, 23, 70, 2])
+    feats = TargetFeatures(target.model, CPU, cfg.target_layer_ids)(ids.tolist())
+    half = type(feats)(feats.hidden.bfloat16(), feats.taps.bfloat16())
+    anchors = torch.tensor([4, 7, 11])
+    with torch.no_grad():
+        want = block_outputs(model, frozen, ids, 4, feats, anchors)
+        got = block_outputs(model, frozen, ids, 4, half, anchors)
+    assert got.logits.dtype == torch.float32
+    torch.testing.assert_close(got.logits, want.logits, rtol=0.05, atol=0.05)
+
+
 def _greedy(engine, prompts, n=32):
     sp = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
     return [[t for o in engine.generate(Request(p, sp)) for t in o.token_ids] for p in prompts]
