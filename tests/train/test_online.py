@@ -40,6 +40,32 @@ def test_features_equal_a_direct_forward(target):
     assert TargetFeatures(target.model, CPU)(ids).taps is None  # NEXTN needs only the final hidden states
 
 
+def test_batched_features_equal_one_at_a_time(target, monkeypatch):
+    """``many`` (one padded transformers forward per chunk, lengths mixed, split by MAX_BATCH_TOKENS) gives
+    each sequence the features baton's own forward gives it alone, taps in the requested order."""
+    pytest.importorskip("transformers")
+    provider = TargetFeatures(target.model, CPU, layer_ids=[1, 0])
+    seqs = [[5, 17, 42, 8, 3, 9, 9, 40, 2, 71, 33], [7, 7, 9], [60, 11, 29, 33, 5], [4, 4]]
+    monkeypatch.setattr(TargetFeatures, "MAX_BATCH_TOKENS", 12)  # forces several chunks
+    got = provider.many(seqs)
+    assert provider._hf not in (None, False), "the batched path was not taken"
+    for ids, f in zip(seqs, got, strict=True):
+        want = provider(ids)
+        assert f.hidden.shape == want.hidden.shape and f.taps.shape == want.taps.shape
+        torch.testing.assert_close(f.hidden, want.hidden, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(f.taps, want.taps, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_features_fall_back_for_other_targets(ling_path):
+    ling = load_frozen_target(ServerArgs(model_path=ling_path, device="cpu"))
+    provider = TargetFeatures(ling.model, CPU)
+    seqs = [[5, 17, 42, 8], [7, 7, 9]]
+    got = provider.many(seqs)
+    assert provider._hf is False
+    for ids, f in zip(seqs, got, strict=True):
+        torch.testing.assert_close(f.hidden, provider(ids).hidden, rtol=0, atol=0)
+
+
 def test_prefetcher_keeps_order(target):
     provider = TargetFeatures(target.model, CPU, layer_ids=[1])
     samples = [Sample([3 + i, 9, 27, 4 + i, 50], 2) for i in range(7)]
