@@ -144,15 +144,20 @@ def autocast(device: torch.device):
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """q [T, H, D], k [S, Hkv, D], v [S, Hkv, Dv], mask [T, S] bool (True = visible) -> [T, H, Dv].
-    Differentiable (SDPA); every query row must see at least one key."""
-    rep = q.shape[1] // k.shape[1]
+    """q [T, H, D], k [S, Hkv, D], v [S, Hkv, Dv], mask [T, S] bool (True = visible) -> [T, H, Dv]; or with a
+    leading batch dim on q, k, v (the mask shared by the batch). Differentiable (SDPA); every query row must
+    see at least one key."""
+    batched = q.dim() == 4
+    if not batched:
+        q, k, v = q[None], k[None], v[None]
+    rep = q.shape[2] // k.shape[2]
     if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     v = v.to(q.dtype)
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.to(q.dtype).transpose(0, 1), v.transpose(0, 1),
-                                       attn_mask=mask, scale=scale)  # [H, T, Dv]
-    return o.transpose(0, 1)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype).transpose(1, 2), v.transpose(1, 2),
+                                       attn_mask=mask, scale=scale)  # [B, H, T, Dv]
+    o = o.transpose(1, 2)
+    return o if batched else o[0]
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -322,14 +327,22 @@ def _train_step(task: Task, batch: list[tuple[Sample, Any]], gen: torch.Generato
     if total <= 0:
         return {"loss": float("nan"), "skipped": 1.0}
     loss_sum, stats = 0.0, {}
-    for (sample, feats), plan in zip(batch, plans, strict=True):
-        if plan.weight_sum <= 0:
-            continue
+    batch_loss = getattr(task, "batch_loss", None)  # a task that can run the whole batch in one forward
+    if batch_loss is not None:
+        kept = [(item, plan) for item, plan in zip(batch, plans, strict=True) if plan.weight_sum > 0]
         with autocast(device):
-            loss, sample_stats = task.loss(sample, feats, plan)
+            loss, stats = batch_loss([item for item, _ in kept], [plan for _, plan in kept])
         (loss / total).backward()
-        loss_sum = loss_sum + loss.detach()
-        merge_stats(stats, sample_stats)
+        loss_sum = loss.detach()
+    else:
+        for (sample, feats), plan in zip(batch, plans, strict=True):
+            if plan.weight_sum <= 0:
+                continue
+            with autocast(device):
+                loss, sample_stats = task.loss(sample, feats, plan)
+            (loss / total).backward()
+            loss_sum = loss_sum + loss.detach()
+            merge_stats(stats, sample_stats)
     params = [p for p in task.module.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, opts.grad_clip) if opts.grad_clip > 0 else torch.tensor(0.0)
     optimizer.step()

@@ -82,23 +82,30 @@ def build_trainable_head(target: nn.Module, target_cfg: ModelConfig, nopts: Next
 
 def _llama_layer(layer: LlamaDecoderLayer, x: torch.Tensor, positions: torch.Tensor, past: list[torch.Tensor],
                  mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The serving layer's math with explicit keys: x [N, d] at ``positions`` attends to the keys/values of
-    ``past`` (pairs k, v from earlier calls, concatenated) plus its own, under ``mask`` [N, S_past + N].
-    Returns (out [N, d], k [N, Hkv, D], v [N, Hkv, D])."""
-    attn, n = layer.self_attn, x.shape[0]
+    """The serving layer's math with explicit keys, over a batch of sequences: x [B, N, d] at ``positions``
+    [N] (the same for every sequence) attends to the keys/values of ``past`` (pairs k, v [B, S_i, Hkv, D] from
+    earlier calls, concatenated) plus its own, under ``mask`` [N, S_past + N] (shared by the batch).
+    Returns (out [B, N, d], k [B, N, Hkv, D], v [B, N, Hkv, D])."""
+    attn, (b, n) = layer.self_attn, x.shape[:2]
     norm = layer.input_layernorm
     qkv = naive.linear(x, attn.qkv_proj.weight, norm.weight, norm.eps)
     q, k, v = attn.qkv_proj.split(qkv)
-    q = attn.rope(positions, q.reshape(n, attn.num_heads, attn.head_dim))
-    k = attn.rope(positions, k.reshape(n, attn.num_kv_heads, attn.head_dim))
-    v = v.reshape(n, attn.num_kv_heads, attn.head_dim)
-    k_all = torch.cat([*past[0::2], k]) if past else k
-    v_all = torch.cat([*past[1::2], v]) if past else v
-    o = masked_attention(q, k_all, v_all, mask, attn.scale)  # [N, H, D]
-    h = naive.linear(o.reshape(n, attn.num_heads * attn.head_dim), attn.o_proj.weight, residual=x)
+    q = _rope(attn.rope, positions, q.reshape(b, n, attn.num_heads, attn.head_dim))
+    k = _rope(attn.rope, positions, k.reshape(b, n, attn.num_kv_heads, attn.head_dim))
+    v = v.reshape(b, n, attn.num_kv_heads, attn.head_dim)
+    k_all = torch.cat([*past[0::2], k], dim=1) if past else k
+    v_all = torch.cat([*past[1::2], v], dim=1) if past else v
+    o = masked_attention(q, k_all, v_all, mask, attn.scale)  # [B, N, H, D]
+    h = naive.linear(o.reshape(b, n, attn.num_heads * attn.head_dim), attn.o_proj.weight, residual=x)
     mlp, post = layer.mlp, layer.post_attention_layernorm
     act = naive.linear_swiglu(h, mlp.gate_up_proj.weight, post.weight, post.eps, mlp.swiglu_limit)
     return naive.linear(act, mlp.down_proj.weight, residual=h), k, v
+
+
+def _rope(rope: nn.Module, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """RoPE over [B, N, H, D] (the serving op takes [N, H, D]): the batch folded into the heads."""
+    b, n, h, d = x.shape
+    return rope(positions, x.transpose(0, 1).reshape(n, b * h, d)).reshape(n, b, h, d).transpose(0, 1)
 
 
 def step_rows(seq_len: int, num_steps: int) -> list[int]:
@@ -118,17 +125,21 @@ def chain_mask(step: int, rows: list[int], device: torch.device | None = None) -
 def unrolled_forward(head: NextNLayer, frozen: FrozenHead, ids: torch.Tensor, hidden: torch.Tensor,
                      num_steps: int) -> list[torch.Tensor]:
     """ids [T], target hidden [T, d] -> the head's hidden states per chain step, g^s [N_s, d] (s = 1..S), row t
-    of step s predicting token t+s+1."""
-    rows = step_rows(ids.shape[0], num_steps)
+    of step s predicting token t+s+1. Batched: ids [B, T] and hidden [B, T, d] (sequences padded at the end to
+    a common T) -> g^s [B, N_s, d]; a padded sequence's real rows never see its padding (every key a row sees
+    lies at or before its own position), so they equal the unpadded forward's."""
+    if ids.dim() == 1:
+        return [g[0] for g in unrolled_forward(head, frozen, ids[None], hidden[None], num_steps)]
+    rows = step_rows(ids.shape[1], num_steps)
     past: list[torch.Tensor] = []
-    prev = hidden[: rows[0]]  # g^0 = h_t
+    prev = hidden[:, : rows[0]]  # g^0 = h_t
     outs = []
     for s in range(1, num_steps + 1):
         n = rows[s - 1]
         if n == 0:
             break
-        e = frozen.embed(ids[s : s + n])  # tokens t+s
-        x = head.eh_proj(torch.cat([head.enorm(e), head.hnorm(prev[:n].to(e.dtype))], dim=-1))
+        e = frozen.embed(ids[:, s : s + n])  # tokens t+s
+        x = head.eh_proj(torch.cat([head.enorm(e), head.hnorm(prev[:, :n].to(e.dtype))], dim=-1))
         positions = torch.arange(s - 1, s - 1 + n, device=ids.device)  # t + s - 1
         out, k, v = _llama_layer(head.body, x, positions, past, chain_mask(s, rows[:s], ids.device))
         past += [k, v]
@@ -182,6 +193,41 @@ class NextNTask:
             on = w > 0
             stats[f"loss_s{s}"] = ((ce.detach() * on).sum(), n)
             stats[f"acc_s{s}"] = (((logits.detach().argmax(-1) == labels) & on).sum(), n)
+        return total, stats
+
+    def batch_loss(self, items: list[tuple[Sample, Features]], plans: list[NextNPlan]) -> tuple[torch.Tensor, Stats]:
+        """``loss`` summed over a whole batch in one padded forward (sequences padded at the end): the same
+        value as the per-sample sum, at a fraction of the launches. Only rows with a response label reach the
+        lm_head, gathered with a host-built index (no device sync)."""
+        dev = self.device
+        width = max(sample.num_tokens for sample, _ in items)
+        ids_host = torch.zeros(len(items), width, dtype=torch.long)
+        hidden = items[0][1].hidden.new_zeros(len(items), width, items[0][1].hidden.shape[-1])
+        for r, (sample, feats) in enumerate(items):
+            ids_host[r, : sample.num_tokens] = torch.tensor(sample.ids)
+            hidden[r, : sample.num_tokens] = feats.hidden
+        ids = ids_host.to(dev, non_blocking=True)
+        outs = unrolled_forward(self.module, self.frozen, ids, hidden, self.nopts.unroll_steps)
+        total = torch.zeros((), device=dev)
+        stats: Stats = {}
+        for s, g in enumerate(outs, start=1):
+            n_rows = g.shape[1]
+            w = torch.zeros(len(items), n_rows)
+            for r, plan in enumerate(plans):
+                if s <= len(plan.weights):
+                    w[r, : plan.weights[s - 1].shape[0]] = plan.weights[s - 1]
+            w = w.reshape(-1)
+            keep = (w > 0).nonzero().squeeze(1)  # host tensors: no sync
+            if keep.numel() == 0:
+                continue
+            idx = keep.to(dev, non_blocking=True)
+            logits = self.frozen.logits(g.reshape(-1, g.shape[-1]).index_select(0, idx))  # [K, V] fp32
+            labels = ids[:, s + 1 : s + 1 + n_rows].reshape(-1).index_select(0, idx)
+            ce = F.cross_entropy(logits, labels, reduction="none")
+            total = total + (w[keep].to(dev, non_blocking=True) * ce).sum()
+            n = float(keep.numel())
+            stats[f"loss_s{s}"] = (ce.detach().sum(), n)
+            stats[f"acc_s{s}"] = ((logits.detach().argmax(-1) == labels).sum(), n)
         return total, stats
 
     def save(self, path: str) -> None:

@@ -10,6 +10,7 @@
 #   ABLATE=1 [ABL_STEPS=400] ...                                  # also the Markov-rank and depth ablations
 #   SHIP=1 ...                                                    # copy the drafts into baton/drafts (the default)
 #   DATA_BUDGET=270 TRAIN_BUDGET=300 ...                          # seconds: cut generation / each training run to fit
+#   REUSE_DATA=1 ...                                              # keep an existing OUT/data/gsm8k.jsonl (no step 1)
 #
 # The shipped sizes (NEXTN one layer; DSpark one layer, block 16, Markov rank 16, taps 1,27; both bf16) keep
 # the two drafts under 20 MB. Each training directory gets the checkpoint, metrics.json and train_curves.png;
@@ -50,9 +51,11 @@ stamp() { echo "[recipe] $1 done at $((SECONDS - t0)) s"; }
 
 # 1. data: chat and 5-shot prompts (the format `baton eval gsm8k` sends), greedy + sampled at T 0.7; batched
 #    generation through transformers with the target's own weights
+if [ -s "$DATA" ] && [ "${REUSE_DATA:-0}" = 1 ]; then echo "[recipe] reusing $DATA"; else
 on "$V0" baton train data --data-path "$GSM8K" --num-prompts "$NUM_PROMPTS" --prompt-formats chat,fewshot \
     --temperatures 0,0.7 --top-p 0.95 --max-new-tokens "$MAX_NEW" --holdout-frac 0.02 --data-seed 0 \
     --backend hf --gen-batch-size "$GEN_BATCH" --device "$D" --output "$DATA" "${DATA_BUDGET[@]}"
+fi
 stamp data
 
 # 2. NEXTN head (Ling MTP structure, one Llama layer), 3 chain steps unrolled; 3. DSpark, one layer, block 16

@@ -54,6 +54,40 @@ def test_unrolled_forward_is_the_serving_chain(target_path):
             torch.testing.assert_close(g[0], outs[s - 1][p - 1], rtol=1e-5, atol=1e-5)
 
 
+def test_batch_loss_equals_the_per_sample_sum(target_path):
+    """The padded one-forward batch gives the per-sample losses' sum, statistics and gradients."""
+    from baton.train.common import Sample, finish_stats, merge_stats
+    from baton.train.nextn import NextNTask
+
+    target = load_frozen_target(ServerArgs(model_path=target_path, device="cpu"))
+    head, body_cfg = build_trainable_head(target.model, target.config, NextNOptions(init="random"), CPU)
+    frozen = FrozenHead(target.model, CPU)
+    task = NextNTask(head, body_cfg, frozen, NextNOptions(unroll_steps=3), CPU)
+    provider = TargetFeatures(target.model, CPU)
+    samples = [Sample([5, 17, 42, 8, 3, 60, 11, 29, 33, 7, 9, 23], 4), Sample([7, 7, 9, 40, 2], 2),
+               Sample([60, 11, 29, 33, 5, 81, 3, 3, 40], 6), Sample([4, 4, 12], 1)]
+    items = [(smp, provider(smp.ids)) for smp in samples]
+    gen = torch.Generator().manual_seed(0)
+    plans = [task.plan(smp, gen) for smp in samples]
+
+    head.zero_grad()
+    want, want_stats = torch.zeros(()), {}
+    for (smp, feats), plan in zip(items, plans):
+        loss, st = task.loss(smp, feats, plan)
+        want = want + loss
+        merge_stats(want_stats, st)
+    want.backward()
+    want_grads = [p.grad.clone() for p in head.parameters()]
+
+    head.zero_grad()
+    got, got_stats = task.batch_loss(items, plans)
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert finish_stats(got_stats) == pytest.approx(finish_stats(want_stats), rel=1e-5)
+    for g, w in zip((p.grad for p in head.parameters()), want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-5)  # fp32 sums in another order
+
+
 def _accept(target_path: str, draft: str, prompts) -> tuple[float, list[list[int]]]:
     engine = make_engine(target_path, algorithm="NEXTN", draft_model_path=draft, num_steps=3)
     r = measure_accept_length(engine, prompts, 32)
