@@ -1,4 +1,4 @@
-"""fla-core's chunk_kda (the CUDA prefill path behind BATON_FLA=1) against baton's PyTorch chunked form."""
+"""fla-core's chunk_kda (the CUDA prefill path; BATON_FLA=0 turns it off) against baton's PyTorch chunked form."""
 
 from __future__ import annotations
 

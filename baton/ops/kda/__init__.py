@@ -2,7 +2,7 @@
 
 ``kda_recurrent_fused`` dispatches: CUDA tensors with triton importable and ``baton.env.use_triton()`` take the
 Triton kernel, everything else the naive composition with the same signature. ``kda_chunk`` (prefill) takes
-fla-core's ``chunk_kda`` on CUDA when fla is importable and ``BATON_FLA=1``, else the naive chunked form.
+fla-core's ``chunk_kda`` on CUDA when fla is importable (``BATON_FLA=0`` turns it off), else the naive chunked form.
 The Triton module is imported on first CUDA use only, so CPU runs never need triton (and tests can set
 ``TRITON_INTERPRET`` before it loads).
 """
