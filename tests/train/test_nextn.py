@@ -72,7 +72,7 @@ def test_batch_loss_equals_the_per_sample_sum(target_path):
 
     head.zero_grad()
     want, want_stats = torch.zeros(()), {}
-    for (smp, feats), plan in zip(items, plans):
+    for (smp, feats), plan in zip(items, plans, strict=True):
         loss, st = task.loss(smp, feats, plan)
         want = want + loss
         merge_stats(want_stats, st)
@@ -84,7 +84,7 @@ def test_batch_loss_equals_the_per_sample_sum(target_path):
     got.backward()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert finish_stats(got_stats) == pytest.approx(finish_stats(want_stats), rel=1e-5)
-    for g, w in zip((p.grad for p in head.parameters()), want_grads):
+    for g, w in zip((p.grad for p in head.parameters()), want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-5)  # fp32 sums in another order
 
 
