@@ -123,8 +123,10 @@ def _no_autocast(device: torch.device):
 def fast_fp32_matmul(device: torch.device):
     """TF32 for the fp32 matmuls of a training run on CUDA (the frozen lm_head's fp32 logits over a 49k-152k
     vocabulary dominate a step's FLOPs; TF32 runs them on the tensor cores at ~1e-3 relative error, the same
-    order as the bf16 lm_head the served target uses). No effect on CPU; the previous setting is restored."""
-    if device.type != "cuda":
+    order as the bf16 lm_head the served target uses). No effect on CPU; the previous setting is restored.
+    ``BATON_TRAIN_TF32=0`` keeps full fp32 (an A/B switch: TF32 is one of the two suspects of the DSpark step
+    slow-down measured on 2026-11-29, see ``masked_attention``)."""
+    if device.type != "cuda" or os.environ.get("BATON_TRAIN_TF32", "1") == "0":
         yield
         return
     before = torch.get_float32_matmul_precision()
@@ -146,18 +148,26 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
                      scale: float) -> torch.Tensor:
     """q [T, H, D], k [S, Hkv, D], v [S, Hkv, Dv], mask [T, S] bool (True = visible) -> [T, H, Dv]; or with a
     leading batch dim on q, k, v (the mask shared by the batch). Differentiable (SDPA); every query row must
-    see at least one key."""
-    batched = q.dim() == 4
-    if not batched:
-        q, k, v = q[None], k[None], v[None]
+    see at least one key.
+
+    The unbatched form calls SDPA with 3-d tensors, as before batching existed: the DSpark step ran at 0.75 s
+    (16 sequences, H200) that way, and at 2.1 s once it went through the 4-d call (2026-11-29; not yet
+    separated from the other changes of that commit, so the 3-d call is kept until it is)."""
+    if q.dim() == 3:
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        v = v.to(q.dtype)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.to(q.dtype).transpose(0, 1), v.transpose(0, 1),
+                                           attn_mask=mask, scale=scale)  # [H, T, Dv]
+        return o.transpose(0, 1)
     rep = q.shape[2] // k.shape[2]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     v = v.to(q.dtype)
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype).transpose(1, 2), v.transpose(1, 2),
                                        attn_mask=mask, scale=scale)  # [B, H, T, Dv]
-    o = o.transpose(1, 2)
-    return o if batched else o[0]
+    return o.transpose(1, 2)
 
 
 def resolve_device(name: str | None) -> torch.device:

@@ -31,6 +31,7 @@ queue with CUDA IPC) if one host thread ever becomes the bottleneck; at batch 1 
 from __future__ import annotations
 
 import contextlib
+import os
 import queue
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -119,6 +120,8 @@ class TargetFeatures:
         return [f for _, f in sorted(out, key=lambda x: x[0])]
 
     def _batched_model(self):
+        if self._hf is None and os.environ.get("BATON_TRAIN_HF_FEATURES", "1") == "0":
+            self._hf = False  # the per-sequence loop (an A/B switch for the training-throughput measurements)
         if self._hf is None:
             try:
                 from baton.models.hf_export import to_hf_llama
