@@ -150,7 +150,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     leading batch dim on q, k, v (the mask shared by the batch). Differentiable (SDPA); every query row must
     see at least one key.
 
-    The unbatched form calls SDPA with 3-d tensors, as before batching existed: the DSpark step ran at 0.75 s
+    The unbatched form calls SDPA with 3-d tensors, as before batching existed: the DSpark step ran at 0.72 s
     (16 sequences, H200) that way, and at 2.1 s once it went through the 4-d call (2026-11-29; not yet
     separated from the other changes of that commit, so the 3-d call is kept until it is)."""
     if q.dim() == 3:
