@@ -112,8 +112,9 @@ c)
   cp /tmp/res/drafts_* "$R/" 2>/dev/null; cp /tmp/train/drafts_* "$R/" 2>/dev/null ;;
 d)
   export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=120  # a hang dumps rank 0's Python stacks (timeout -s ABRT)
-  BATON_TEST_REPORT=$R/figures.jsonl timeout -s ABRT 120 python3 -m pytest -q -m gpu tests/dist/test_tp_gpu.py -p no:cacheprovider \
-      -rfEs > "$R/tp_gpu_tests.log" 2>&1
+  # SIGINT first: pytest then prints the failures so far (an ABRT loses them, as on 2026-11-29); KILL 20 s later
+  BATON_TEST_REPORT=$R/figures.jsonl timeout -s INT -k 20 120 python3 -m pytest -q -m gpu tests/dist/test_tp_gpu.py \
+      -p no:cacheprovider -rfEs > "$R/tp_gpu_tests.log" 2>&1
   BATON_TP_ALLREDUCE=auto timeout -s ABRT 50 python3 -m baton.ops.allreduce.bench --tp-size 2 \
       --json "$R/allreduce.json" > "$R/allreduce.log" 2>&1
   for m in plain nextn; do
