@@ -253,11 +253,12 @@ def write_table(rows: list[dict], device_name: str, path: str = "default") -> st
     return str(out)
 
 
-def _dump(obj: object, path: str) -> None:
+def _dump(obj: object, path: str | os.PathLike) -> None:
     """JSON to ``path`` through a temporary file (a run killed mid-write leaves the previous file whole)."""
-    with open(path + ".tmp", "w") as f:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
+    os.replace(tmp, path)
 
 
 def _print_table(rows: list[dict]) -> None:
