@@ -65,6 +65,18 @@ def use_fla() -> bool:
     return _get("BATON_FLA", "1") not in ("0", "", "false", "False")
 
 
+def train_tf32() -> bool:
+    """``BATON_TRAIN_TF32`` (default on): draft training runs its fp32 matmuls (the frozen lm_head) in TF32 on CUDA;
+    ``0`` keeps full fp32."""
+    return _get("BATON_TRAIN_TF32", "1") not in ("0", "", "false", "False")
+
+
+def train_hf_features() -> bool:
+    """``BATON_TRAIN_HF_FEATURES`` (default on): draft training computes a batch's target features in one padded
+    transformers forward (llama targets); ``0`` takes baton's forward one sequence at a time."""
+    return _get("BATON_TRAIN_HF_FEATURES", "1") not in ("0", "", "false", "False")
+
+
 def use_pdl() -> bool:
     """``BATON_PDL`` (default on): launch Triton kernels with programmatic dependent launch where the GPU supports it
     (compute capability >= 9); ``0`` turns it off."""

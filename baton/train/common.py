@@ -126,7 +126,7 @@ def fast_fp32_matmul(device: torch.device):
     order as the bf16 lm_head the served target uses). No effect on CPU; the previous setting is restored.
     ``BATON_TRAIN_TF32=0`` keeps full fp32 (an A/B switch: TF32 is one of the two suspects of the DSpark step
     slow-down measured on 2026-11-29, see ``masked_attention``)."""
-    if device.type != "cuda" or os.environ.get("BATON_TRAIN_TF32", "1") == "0":
+    if device.type != "cuda" or not env.train_tf32():
         yield
         return
     before = torch.get_float32_matmul_precision()
@@ -153,21 +153,14 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     The unbatched form calls SDPA with 3-d tensors, as before batching existed: the DSpark step ran at 0.72 s
     (16 sequences, H200) that way, and at 2.1 s once it went through the 4-d call (2026-11-29; not yet
     separated from the other changes of that commit, so the 3-d call is kept until it is)."""
-    if q.dim() == 3:
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        v = v.to(q.dtype)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.to(q.dtype).transpose(0, 1), v.transpose(0, 1),
-                                           attn_mask=mask, scale=scale)  # [H, T, Dv]
-        return o.transpose(0, 1)
-    rep = q.shape[2] // k.shape[2]
+    h = q.dim() - 2  # the heads' dim: 1 unbatched (SDPA then gets 3-d tensors, as it always did), 2 batched
+    rep = q.shape[h] // k.shape[h]
     if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        k, v = k.repeat_interleave(rep, dim=h), v.repeat_interleave(rep, dim=h)
     v = v.to(q.dtype)
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype).transpose(1, 2), v.transpose(1, 2),
-                                       attn_mask=mask, scale=scale)  # [B, H, T, Dv]
-    return o.transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.transpose(h - 1, h), k.to(q.dtype).transpose(h - 1, h),
+                                       v.transpose(h - 1, h), attn_mask=mask, scale=scale)  # [(B,) H, T, Dv]
+    return o.transpose(h - 1, h)
 
 
 def resolve_device(name: str | None) -> torch.device:

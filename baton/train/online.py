@@ -31,7 +31,6 @@ queue with CUDA IPC) if one host thread ever becomes the bottleneck; at batch 1 
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -39,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from baton import env
 from baton.cache.model_cache import ModelCache
 from baton.layers.context import ForwardContext
 from baton.models.base import CausalLM
@@ -107,20 +107,18 @@ class TargetFeatures:
         hf = self._batched_model() if len(seqs) > 1 else None
         if hf is None:
             return [self(ids) for ids in seqs]
-        out: list[Features] = []
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))  # similar lengths share a forward
+        out: list[tuple[int, Features]] = []
         chunk: list[int] = []
-        for i in order + [-1]:
-            longest = max([len(seqs[j]) for j in chunk] + [len(seqs[i]) if i >= 0 else 0])
-            if chunk and (i < 0 or longest * (len(chunk) + 1) > self.MAX_BATCH_TOKENS):
+        for i in sorted(range(len(seqs)), key=lambda i: len(seqs[i])):  # similar lengths share a forward
+            if chunk and len(seqs[i]) * (len(chunk) + 1) > self.MAX_BATCH_TOKENS:  # seqs[i] is the longest yet
                 out += zip(chunk, self._hf_forward(hf, [seqs[j] for j in chunk]), strict=True)
                 chunk = []
-            if i >= 0:
-                chunk.append(i)
+            chunk.append(i)
+        out += zip(chunk, self._hf_forward(hf, [seqs[j] for j in chunk]), strict=True)
         return [f for _, f in sorted(out, key=lambda x: x[0])]
 
     def _batched_model(self):
-        if self._hf is None and os.environ.get("BATON_TRAIN_HF_FEATURES", "1") == "0":
+        if self._hf is None and not env.train_hf_features():
             self._hf = False  # the per-sequence loop (an A/B switch for the training-throughput measurements)
         if self._hf is None:
             try:
