@@ -174,31 +174,14 @@ class NextNTask:
         return NextNPlan(weights, float(sum(w.sum() for w in weights)))
 
     def loss(self, sample: Sample, feats: Features, plan: NextNPlan) -> tuple[torch.Tensor, Stats]:
-        """Weighted CE of every chain step. Only rows with a response label (a suffix: row t of step s has
-        its label at t+s+1 >= prompt_len) go through the lm_head; the statistics stay on the device."""
-        ids = torch.tensor(sample.ids, dtype=torch.long, device=self.device)
-        outs = unrolled_forward(self.module, self.frozen, ids, feats.hidden, self.nopts.unroll_steps)
-        total = torch.zeros((), device=self.device)
-        stats: Stats = {}
-        for s, (g, w) in enumerate(zip(outs, plan.weights, strict=False), start=1):
-            first = max(0, sample.prompt_len - s - 1)  # the first row whose label is a response token
-            n = float((w[first:] > 0).sum())
-            if n == 0:
-                continue
-            logits = self.frozen.logits(g[first:])  # [N_s - first, V] fp32
-            labels = ids[s + 1 + first : s + 1 + g.shape[0]]
-            ce = F.cross_entropy(logits, labels, reduction="none")
-            w = w[first:].to(self.device, non_blocking=True)
-            total = total + (w * ce).sum()
-            on = w > 0
-            stats[f"loss_s{s}"] = ((ce.detach() * on).sum(), n)
-            stats[f"acc_s{s}"] = (((logits.detach().argmax(-1) == labels) & on).sum(), n)
-        return total, stats
+        """Weighted CE of every chain step of one sample (``batch_loss`` of a batch of one)."""
+        return self.batch_loss([(sample, feats)], [plan])
 
     def batch_loss(self, items: list[tuple[Sample, Features]], plans: list[NextNPlan]) -> tuple[torch.Tensor, Stats]:
-        """``loss`` summed over a whole batch in one padded forward (sequences padded at the end): the same
-        value as the per-sample sum, at a fraction of the launches. Only rows with a response label reach the
-        lm_head, gathered with a host-built index (no device sync)."""
+        """The weighted CE of every chain step, summed over a whole batch in one padded forward (sequences padded
+        at the end): the same value as the per-sample sum, at a fraction of the launches. Only rows with a
+        response label (weight > 0) reach the lm_head, gathered with a host-built index (no device sync); the
+        statistics stay on the device."""
         dev = self.device
         width = max(sample.num_tokens for sample, _ in items)
         ids_host = torch.zeros(len(items), width, dtype=torch.long)
