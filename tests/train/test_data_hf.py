@@ -57,16 +57,22 @@ def test_greedy_matches_engine_with_left_padding_and_eos(engine, tmp_path, promp
             assert len(r["response_ids"]) == MAX_NEW
 
 
-def test_greedy_matches_engine_with_stop_strings(engine, tmp_path, monkeypatch):
+def _stop_string_jobs(engine, tmp_path, monkeypatch):
+    """Four plain prompts and a stop string (now data.DEFAULT_STOP) cut from the middle of one greedy response,
+    ending inside a token's text (IdTokenizer text: "<id> " per token)."""
     prompts = tmp_path / "q.txt"
     prompts.write_text("1 2 3\n40 50 60 70 80 90\n7\n11 12 13 14\n")
     monkeypatch.setattr(data, "DEFAULT_STOP", ("no such text",))
     jobs = _jobs(engine, tmp_path, extra_prompts=str(prompts), prompt_formats=("plain",))
     plain, _ = _both(engine, jobs)
-    # a stop string ending inside a token's text (IdTokenizer text: "<id> " per token)
     text = engine.tokenizer.decode(plain[2]["response_ids"])
     stop = text[6:12].strip() or text[:4]
     monkeypatch.setattr(data, "DEFAULT_STOP", (stop,))
+    return jobs, stop
+
+
+def test_greedy_matches_engine_with_stop_strings(engine, tmp_path, monkeypatch):
+    jobs, stop = _stop_string_jobs(engine, tmp_path, monkeypatch)
     ref, got = _both(engine, jobs, batch_size=3)  # two batches
     assert got == ref
     assert any(r["finish_reason"] == {"type": "stop", "matched": stop} for r in got)
@@ -99,14 +105,7 @@ def _counting_generate(monkeypatch) -> list[tuple[int, int]]:
 def test_periodic_stop_check_gives_the_engine_records(engine, tmp_path, monkeypatch, every):
     """Stop strings checked every ``every`` steps during generate (and the rest after it): the same cuts as the
     engine's token-by-token rule, wherever a check falls."""
-    prompts = tmp_path / "q.txt"
-    prompts.write_text("1 2 3\n40 50 60 70 80 90\n7\n11 12 13 14\n")
-    monkeypatch.setattr(data, "DEFAULT_STOP", ("no such text",))
-    jobs = _jobs(engine, tmp_path, extra_prompts=str(prompts), prompt_formats=("plain",))
-    plain, _ = _both(engine, jobs)
-    text = engine.tokenizer.decode(plain[2]["response_ids"])
-    stop = text[6:12].strip() or text[:4]
-    monkeypatch.setattr(data, "DEFAULT_STOP", (stop,))
+    jobs, stop = _stop_string_jobs(engine, tmp_path, monkeypatch)
     monkeypatch.setattr(data, "STOP_CHECK_EVERY", every)
     ref, got = _both(engine, jobs, batch_size=3)
     assert got == ref
