@@ -290,22 +290,21 @@ def _open(fn: str):
 
 
 def iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    for fn in files:
-        with _open(fn) as f:
-            for name in f.keys():
-                try:
-                    yield name, f.get_tensor(name)
-                except Exception as e:
-                    raise CheckpointError(f"{fn}: tensor {name} cannot be read ({e})") from e
+    return _iter_entries(files, "get_tensor")
 
 
 def iter_safetensors_slices(files: list[str]) -> Iterator[tuple[str, object]]:
     """Like iter_safetensors, but lazy slices: a tensor-parallel rank reads only its part of each tensor."""
+    return _iter_entries(files, "get_slice")
+
+
+def _iter_entries(files: list[str], read: str) -> Iterator[tuple[str, object]]:
+    """(name, ``f.<read>(name)``) of every tensor of every file; a tensor that cannot be read names itself."""
     for fn in files:
         with _open(fn) as f:
             for name in f.keys():
                 try:
-                    yield name, f.get_slice(name)
+                    yield name, getattr(f, read)(name)
                 except Exception as e:
                     raise CheckpointError(f"{fn}: tensor {name} cannot be read ({e})") from e
 
