@@ -126,11 +126,49 @@ def init_tp(rank: int, world_size: int, backend: str = "gloo", init_method: str 
     return _STATE
 
 
-def destroy_tp() -> None:
+TEARDOWN_TIMEOUT_S = 30.0  # a rank's whole teardown; past it the group is left behind (the process is ending)
+
+
+def destroy_tp(timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
+    """Leave the group. Every rank first finishes its queued GPU work and meets the others on the CPU group;
+    an NCCL group is then aborted rather than shut down gracefully: the graceful path (``ncclCommDestroy``
+    behind ``destroy_process_group``) hung on every rank of the 2 x H200 runs of 2026-11-29 after all work was
+    done (communicators used inside captured CUDA graphs), while abort only frees local resources, which is
+    all a group with no pending work needs. The teardown runs on a daemon thread bounded by ``timeout_s``: a
+    teardown that still hangs is logged and left behind instead of blocking the process's exit."""
     global _STATE
-    if _STATE.initialized and tdist.is_initialized():
-        tdist.destroy_process_group()
+    st = _STATE
     _STATE = TPGroup()
+    if not (st.initialized and tdist.is_initialized()):
+        return
+
+    def teardown() -> None:
+        if st.device.type == "cuda":
+            torch.cuda.synchronize(st.device)
+        with contextlib.suppress(Exception):  # a peer that already left must not block this one
+            tdist.barrier(group=st.cpu_group)
+        abort = getattr(tdist.distributed_c10d, "_abort_process_group", None)
+        if st.backend == "nccl" and abort is not None:
+            abort()
+        else:
+            tdist.destroy_process_group()
+
+    errors: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            teardown()
+        except BaseException as e:  # reported by the caller's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=guarded, name="baton-tp-teardown", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.warning("rank %d: tensor-parallel teardown did not finish in %.0f s; leaving the group behind",
+                    st.rank, timeout_s)
+    elif errors:
+        log.warning("rank %d: tensor-parallel teardown failed: %s", st.rank, errors[0])
 
 
 def set_fast_all_reduce(impl: FastAllReduce | None) -> None:
@@ -316,6 +354,9 @@ def _rank_entry(fn, args, rank, world_size, backend, init_method, timeout_s, sha
         _report(shared, rank, f"{type(e).__name__}: {e}")
         os._exit(1)  # no teardown: peers may be stuck in a collective with us
     destroy_tp()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the result is delivered: no interpreter teardown (or a left-behind group) to wait on
 
 
 def _report(shared: _Shared, rank: int, message: str) -> None:
@@ -452,7 +493,7 @@ class _Supervisor(threading.Thread):
     def fail(self, reason: str, hard_exit: bool | None = None, quiet: bool = False) -> None:
         """Report, stop every child, and exit (rank 0 in this process) or record the error for wait_result."""
         with self._lock:
-            if self.error is not None:
+            if self.error is not None or self._done.is_set():  # done: the run is over, stragglers are stopped
                 return
             self._drain()
             self.error = f"tensor-parallel run failed: {reason}\n{self.status()}"
@@ -475,11 +516,16 @@ class _Supervisor(threading.Thread):
                 p.join(1.0)
 
     def wait_children(self) -> None:
-        """Rank 0 finished: wait for the others to leave (they follow rank 0's stop), then stop watching."""
-        deadline = time.monotonic() + self.timeout_s
+        """Rank 0 finished: wait for the others to leave (they follow rank 0's stop, each within its bounded
+        teardown), then stop watching; a rank still there after ``TEARDOWN_TIMEOUT_S`` and a margin is killed
+        with a warning (rank 0's result stands)."""
+        deadline = time.monotonic() + TEARDOWN_TIMEOUT_S + 10.0
         while any(p.exitcode is None for p in self.procs.values()) and self.error is None:
             if time.monotonic() > deadline:
-                self.fail("ranks did not exit after rank 0 finished", hard_exit=False)
+                log.warning("tensor-parallel ranks did not exit after rank 0 finished; stopping them\n%s",
+                            self.status())
+                self._done.set()
+                self._stop_children()
                 break
             time.sleep(self.POLL_S)
         self._done.set()
@@ -487,8 +533,21 @@ class _Supervisor(threading.Thread):
             raise TPError(self.error)
 
     def wait_result(self) -> Any:
-        """Every rank is a child: wait for all of them; rank 0's result, or TPError."""
+        """Every rank is a child: wait for all of them; rank 0's result, or TPError. Once rank 0 has delivered
+        its result and exited, the others get ``TEARDOWN_TIMEOUT_S`` (and a margin) to leave, then are killed
+        with a warning: the result stands."""
+        straggle_deadline = None
         while self.error is None and not all(p.exitcode == 0 for p in self.procs.values()):
+            if straggle_deadline is None and self.procs[0].exitcode == 0:
+                straggle_deadline = time.monotonic() + TEARDOWN_TIMEOUT_S + 10.0
+            if straggle_deadline is not None and time.monotonic() > straggle_deadline:
+                self._drain()
+                if self.has_result:
+                    log.warning("tensor-parallel ranks did not exit after rank 0 finished; stopping them\n%s",
+                                self.status())
+                    self._done.set()
+                    self._stop_children()
+                    break
             time.sleep(self.POLL_S)
         self._done.set()
         self.join()

@@ -1,22 +1,20 @@
 #!/usr/bin/env bash
-# One H200 x2 session in four back-to-back calls (the machine stays warm ~30 s between them); everything each
-# call measures is packed into $OUT/<phase>.tgz (the device returns at most 8 files).
+# One H200 x2 session in back-to-back calls (the machine stays warm ~30 s between them); everything each call
+# measures is packed into $OUT/<phase>.tgz (the device returns at most 8 files). Order: p, r, w (repeat until
+# the report is done), e.
 #
-#   a  (carry .carry0 .whl)   part 0 of the GGUF; GPU 0: `pytest -m gpu` then the Ling 18-layer bench;
-#                             GPU 1: the whole Ling-3.0-flash with fp8 experts on one GPU
-#   b  (carry .carry1 .whl)   part 1 + GSM8K; rebuild the GGUF; start the draft recipe in the background
-#                             (setsid: it outlives the call); GPU 0: SmolLM2 bench, GPU tests of the embedded model
-#   c  (carry .whl)           wait for the recipe (up to ${WAIT_S:-540} s), pack the drafts and the report
-#   d  (carry .whl)           TP2: all-reduce latency, the whole Ling-3.0-flash bf16 plain and NEXTN, fp8 NEXTN
+#   p  (carry .carry0 .whl)   part 0 of the GGUF; GPU 0: the Ling 18-layer bench (tuned linear table, fla
+#                             prefill); GPU 1: the whole Ling-3.0-flash with fp8 experts on one GPU
+#   r  (carry .carry1 .whl)   part 1 + GSM8K (+ traindata.tgz); rebuild the GGUF; with carried data: a 30-step
+#                             DSpark A/B of TF32 (GPU 0 on, GPU 1 off), the faster setting kept; then the draft
+#                             recipe in the background (NEXTN on GPU 0, DSpark on GPU 1, TRAIN_BUDGET s each),
+#                             or, without data, generation first and the linear tuning sweep on GPU 1
+#   w  (carry .whl)           while the recipe trains: the TP2 GPU tests once (correctness only: they share the
+#                             GPUs with training); then wait for the recipe's report, pack drafts and report
+#   e  (carry .whl)           after training: SmolLM2 plain-decode bench + census (GPU 0); the whole Ling-3.0-flash
+#                             bf16 at TP2, one-shot all-reduce, plain and NEXTN; fp8 NEXTN at TP2
+#   d  (carry .whl)           TP2 only: the tests, all-reduce latency, bf16 plain / NEXTN and fp8 NEXTN benches
 #   t  (carry .whl)           tune the linear kernels' configs; the table comes back as nvidia-h200.json
-#
-# The third session's order (drafts first): p, r, w (repeat until the report is done), d.
-#   p  (carry .carry0 .whl)   part 0; GPU 0: the logits test; GPU 1: the linear kernels against their floors,
-#                             PDL on and off
-#   r  (carry .carry1 .whl)   part 1 + GSM8K; rebuild the GGUF; the recipe in the background with time budgets
-#                             (data on GPU 0, then NEXTN on 0 and DSpark on 1); GPU 1 meanwhile: the tuning sweep
-#                             (cut at ${TUNE_S:-230} s; the table is written after every row)
-#   w  (carry .whl)           while the recipe trains: fla's chunk KDA test on GPU 0; then as c
 #
 # .carry0 = {part, index} of `device-parts.sh split <gguf> 48`; .carry1 = {part, index, sha256, gsm8k/}, and
 # optionally traindata.tgz (an earlier session's data/gsm8k{,.holdout}.jsonl: phase r then skips generation).
@@ -41,14 +39,38 @@ t0=$SECONDS
 py() { PYTHONUNBUFFERED=1 python3 "$@"; }
 case $phase in
 p)
-  ( BATON_TEST_REPORT=$R/figures.jsonl CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -q -m gpu \
-      tests/engine/test_cuda_graphs.py -k logits -p no:cacheprovider -rfEs > "$R/logits_test.log" 2>&1 ) &
-  CUDA_VISIBLE_DEVICES=1 timeout 170 python3 -m baton.ops.linear.bench --json "$R/linear.json" > "$R/linear.log" 2>&1
+  ( export CUDA_VISIBLE_DEVICES=0
+    OUT=$R timeout 200 python3 benchmarks/bench_ling_flash.py --num-layers 18 --num-requests 1 > "$R/ling18.log" 2>&1
+    echo "ling18 rc=$? at $((SECONDS - t0)) s" >> "$R/ling18.log" ) &
+  ( export CUDA_VISIBLE_DEVICES=1
+    OUT=$R timeout 290 python3 benchmarks/bench_ling_flash.py --num-layers 42 --quantization fp8 --num-requests 1 \
+        > "$R/ling42_fp8.log" 2>&1
+    echo "ling42 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8.log" ) &
   wait ;;
 r)
   ls -la /tmp/SmolLM2-135M-Instruct.Q4_1.gguf > "$R/gguf.txt" 2>&1
   # training data made by an earlier session (.carry1/traindata.tgz holds data/gsm8k{,.holdout}.jsonl): reused
   [ -f .carry1/traindata.tgz ] && tar xzf .carry1/traindata.tgz -C /tmp/train && export REUSE_DATA=1
+  if [ "${REUSE_DATA:-0}" = 1 ] && [ -z "${BATON_TRAIN_TF32:-}" ]; then
+    # DSpark's step went from 0.72 to 2.1 s between two commits (2026-11-29); TF32 is one suspect: A/B it
+    for tf in 1 0; do
+      CUDA_VISIBLE_DEVICES=$((1 - tf)) BATON_TRAIN_TF32=$tf timeout 100 baton train dspark \
+          --train-data /tmp/train/data/gsm8k.jsonl --output /tmp/ab$tf --steps 30 --batch-size 16 --lr 6e-4 \
+          --log-every 10 --num-layers 1 --block-size 16 --markov-rank 16 --target-layer-ids 1,27 \
+          --num-anchors 256 --eval-prompts 0 --device cuda:0 --target-device cuda:0 > "$R/ab_tf32_$tf.log" 2>&1 &
+    done
+    wait
+    per_step() { python3 - "$1" <<'PY'
+import re, sys
+t = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step (\d+): .*'elapsed_s': ([0-9.]+)", open(sys.argv[1]).read())}
+print(f"{(t[30] - t[10]) / 20:.3f}" if 10 in t and 30 in t else "nan")
+PY
+    }
+    on=$(per_step "$R/ab_tf32_1.log"); off=$(per_step "$R/ab_tf32_0.log")
+    keep=$(python3 -c "import math,sys; a,b=float('$on'),float('$off'); print(0 if (not math.isnan(b)) and (math.isnan(a) or b < 0.9 * a) else 1)")
+    echo "dspark s/step: tf32 on $on, off $off -> BATON_TRAIN_TF32=$keep" | tee "$R/ab_tf32.txt"
+    export BATON_TRAIN_TF32=$keep
+  fi
   setsid nohup env OUT=/tmp/train GSM8K=/tmp/gsm8k GPUS=cuda:0,cuda:1 NUM_PROMPTS=${NUM_PROMPTS:-3000} \
       EPOCHS=${EPOCHS:-2} DATA_BUDGET=${DATA_BUDGET:-240} TRAIN_BUDGET=${TRAIN_BUDGET:-300} MAX_NEW=${MAX_NEW:-320} \
       bash baton/train/recipe_smollm2.sh /tmp/train > /tmp/train/recipe.log 2>&1 < /dev/null &
@@ -57,59 +79,47 @@ r)
         --json "$R/linear_tune.json" --write-table "$R/nvidia-h200.json" > "$R/linear_tune.log" 2>&1
     echo "tune rc=$? at $((SECONDS - t0)) s" >> "$R/linear_tune.log"
   else
-    sleep 30
+    sleep 20
   fi
   cp /tmp/train/recipe.log "$R/" ;;
 w)
-  if [ ! -f /tmp/res/w/kda_fla.log ]; then
-    BATON_TEST_REPORT=$R/figures.jsonl CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest -q -m gpu \
-        tests/ops/test_kda_fla.py tests/ops/test_linear_table.py -p no:cacheprovider -rfEs > "$R/kda_fla.log" 2>&1
+  if [ ! -f /tmp/res/w/tp_gpu_tests.log ]; then  # correctness only (training shares the GPUs): once
+    export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=120
+    BATON_TEST_REPORT=$R/figures.jsonl timeout -s INT -k 20 240 python3 -m pytest -q -m gpu \
+        tests/dist/test_tp_gpu.py -p no:cacheprovider -rfEs > "$R/tp_gpu_tests.log" 2>&1
+    echo "tp tests rc=$? at $((SECONDS - t0)) s" >> "$R/tp_gpu_tests.log"
   fi
-  end=$((t0 + ${WAIT_S:-420}))  # counted from the phase's start (the test above included): keep it under 560
+  end=$((t0 + ${WAIT_S:-420}))  # counted from the phase's start (the tests above included): keep it under 560
   while [ $SECONDS -lt $end ] && ! grep -q "report done" /tmp/train/recipe.log; do sleep 10; done
   cp /tmp/train/recipe.log /tmp/train/*.log "$R/" 2>/dev/null
   for d in nextn dspark; do
     [ -f /tmp/train/$d/model.safetensors ] && tar czf "$OUT/$d.tgz" -C /tmp/train $d
   done
   cp /tmp/train/data/*.summary.json "$R/" 2>/dev/null
-  cp /tmp/res/drafts_* "$R/" 2>/dev/null; cp /tmp/train/drafts_* "$R/" 2>/dev/null ;;
+  cp /tmp/res/drafts_* "$R/" 2>/dev/null; cp /tmp/train/drafts_* "$R/" 2>/dev/null; cp -r /tmp/train/results "$R/" 2>/dev/null ;;
+e)
+  ( export CUDA_VISIBLE_DEVICES=0
+    OUT=$R timeout 100 python3 benchmarks/bench_smollm2_decode.py > "$R/smollm2.log" 2>&1
+    echo "smollm2 rc=$? at $((SECONDS - t0)) s" >> "$R/smollm2.log"
+    timeout 80 python3 -m baton census --speculative-algorithm none --input-len 512 --num-steps 200 \
+        --output-file "$R/census_smollm2.jsonl" > "$R/census_smollm2.log" 2>&1
+    echo "census rc=$? at $((SECONDS - t0)) s" >> "$R/census_smollm2.log" )
+  export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=120 BATON_TP_ALLREDUCE=${BATON_TP_ALLREDUCE:-auto}
+  OUT=$R timeout -s ABRT ${TP_S:-250} python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 \
+      --modes plain,nextn --num-requests 1 > "$R/tp2.log" 2>&1
+  echo "tp2 rc=$? at $((SECONDS - t0)) s" >> "$R/tp2.log"
+  left=$((540 - (SECONDS - t0)))
+  if [ $left -gt 120 ]; then
+    OUT=$R timeout -s ABRT $left python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 --quantization fp8 \
+        --modes nextn --num-requests 1 > "$R/tp2_fp8_nextn.log" 2>&1
+    echo "tp2 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_fp8_nextn.log"
+  fi ;;
 t)  # tune the decode-shape linear kernels (the census's largest loss): commit the table as
     # baton/ops/linear/tuned/nvidia-h200.json, then rerun the Ling / SmolLM2 benches
   # first the kernels against their floors, with and without PDL (the A/B issue 5 asks for), then the sweep
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m baton.ops.linear.bench --json "$R/linear.json" > "$R/linear.log" 2>&1
   CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -m baton.ops.linear.bench --tune --m 1 6 16 --json "$R/linear_tune.json" \
       --write-table "$R/nvidia-h200.json" > "$R/linear_tune.log" 2>&1 ;;
-b0)
-  BATON_TEST_REPORT=$R/figures.jsonl CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest -q -m gpu \
-      tests/engine/test_cuda_graphs.py -k logits -p no:cacheprovider -rfEs > "$R/logits_test.log" 2>&1 ;;
-a)
-  ( export CUDA_VISIBLE_DEVICES=0
-    BATON_TEST_REPORT=$R/figures.jsonl timeout 250 python3 -m pytest -q -m gpu $GPU_TESTS -p no:cacheprovider -n 6 -rfEs --continue-on-collection-errors > "$R/gpu_tests.log" 2>&1
-    echo "tests rc=$? at $((SECONDS - t0)) s" >> "$R/gpu_tests.log"
-    OUT=$R timeout 290 python3 benchmarks/bench_ling_flash.py --num-layers 18 > "$R/ling18.log" 2>&1
-    echo "ling18 rc=$? at $((SECONDS - t0)) s" >> "$R/ling18.log" ) &
-  ( export CUDA_VISIBLE_DEVICES=1
-    OUT=$R timeout 540 python3 benchmarks/bench_ling_flash.py --num-layers 42 --quantization fp8 > "$R/ling42_fp8.log" 2>&1
-    echo "ling42 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8.log" ) &
-  wait ;;
-b)
-  ls -la /tmp/SmolLM2-135M-Instruct.Q4_1.gguf > "$R/gguf.txt" 2>&1
-  setsid nohup env OUT=/tmp/train GSM8K=/tmp/gsm8k GPUS=cuda:1,cuda:0 NUM_PROMPTS=${NUM_PROMPTS:-3000} EPOCHS=${EPOCHS:-2} \
-      bash baton/train/recipe_smollm2.sh /tmp/train > /tmp/train/recipe.log 2>&1 < /dev/null &
-  ( export CUDA_VISIBLE_DEVICES=0
-    timeout 200 python3 -m baton census --speculative-algorithm none --input-len 512 --num-steps 200 \
-        --output-file "$R/census_smollm2.jsonl" > "$R/census_smollm2.log" 2>&1
-    echo "census rc=$? at $((SECONDS - t0)) s" >> "$R/census_smollm2.log" )
-  sleep 20; cp /tmp/train/recipe.log "$R/" ;;
-c)
-  end=$((SECONDS + ${WAIT_S:-540}))
-  while [ $SECONDS -lt $end ] && ! grep -q "report done" /tmp/train/recipe.log; do sleep 10; done
-  cp /tmp/train/recipe.log /tmp/train/*.log "$R/" 2>/dev/null
-  for d in nextn dspark; do
-    [ -d /tmp/train/$d ] && tar czf "$OUT/$d.tgz" -C /tmp/train $d
-  done
-  cp /tmp/train/data/*.summary.json "$R/" 2>/dev/null
-  cp /tmp/res/drafts_* "$R/" 2>/dev/null; cp /tmp/train/drafts_* "$R/" 2>/dev/null ;;
 d)
   export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=120  # a hang dumps rank 0's Python stacks (timeout -s ABRT)
   # SIGINT first: pytest then prints the failures so far (an ABRT loses them, as on 2026-11-29); KILL 20 s later

@@ -51,20 +51,28 @@ def _bench_rows() -> list[dict]:
     return bench_allreduce(sizes=(5120, 65536), iters=20)
 
 
-def test_one_shot_all_reduce_matches_nccl():
+@pytest.fixture
+def one_shot(monkeypatch):
+    """The one-shot all-reduce is opt-in (``BATON_TP_ALLREDUCE=auto``); the spawned ranks inherit it."""
+    monkeypatch.setenv("BATON_TP_ALLREDUCE", "auto")
+
+
+def test_one_shot_all_reduce_matches_nccl(one_shot):
     seen = dist.launch_ranks(_compare_all_reduce, 2, backend="nccl", rank0_in_caller=False, timeout_s=120)
     assert seen["fast"], "the one-shot all-reduce did not set up (see the log for why)"
     assert seen["worst"] < 1e-2
 
 
-def test_allreduce_bench_runs():
+def test_allreduce_bench_runs(one_shot):
     rows = dist.launch_ranks(_bench_rows, 2, backend="nccl", rank0_in_caller=False, timeout_s=120)
     assert {r["impl"] for r in rows} >= {"nccl"}
     assert all(r["eager_us"] > 0 and r["graph_us"] > 0 for r in rows)
 
 
+@pytest.mark.parametrize("allreduce", ["nccl", "auto"])
 @pytest.mark.parametrize("spec", [{}, {"algorithm": "NEXTN", "num_steps": 3}])
-def test_tp2_cuda_graphs_equal_tp1(ling_path, spec):
+def test_tp2_cuda_graphs_equal_tp1(ling_path, spec, allreduce, monkeypatch):
+    monkeypatch.setenv("BATON_TP_ALLREDUCE", allreduce)
     def args(tp: int) -> ServerArgs:
         return ServerArgs(model_path=ling_path, device="cuda", dtype="float32", context_length=512, tp_size=tp,
                           spec=SpecConfig(**spec))
