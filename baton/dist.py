@@ -165,8 +165,10 @@ def destroy_tp(timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        log.warning("rank %d: tensor-parallel teardown did not finish in %.0f s; leaving the group behind",
-                    st.rank, timeout_s)
+        frame = sys._current_frames().get(thread.ident)
+        where = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
+        log.warning("rank %d: tensor-parallel teardown did not finish in %.0f s; leaving the group behind. "
+                    "It is stuck at:\n%s", st.rank, timeout_s, where)
     elif errors:
         log.warning("rank %d: tensor-parallel teardown failed: %s", st.rank, errors[0])
 
