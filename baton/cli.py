@@ -298,12 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(ns, "log_level", "warning").upper() if hasattr(ns, "log_level") else "WARNING",
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        return ns.func(ns) or 0
+        rc = ns.func(ns) or 0
     except ConfigError as e:
         print(f"baton: error: {e}", file=sys.stderr)
-        return 2
+        rc = 2
     except KeyboardInterrupt:
-        return 130
+        rc = 130
+    dist = sys.modules.get("baton.dist")
+    if dist is not None and dist.nccl_left_behind():  # a TP run on GPUs: its NCCL group must not be destructed
+        dist.hard_exit(rc)
+    return rc
 
 
 if __name__ == "__main__":

@@ -105,6 +105,10 @@ def init_tp(rank: int, world_size: int, backend: str = "gloo", init_method: str 
     """Join the group as ``rank``: the compute group (``backend``), a CPU gloo group, and on NCCL the one-shot
     all-reduce over symmetric memory when it sets up (NCCL otherwise)."""
     global _STATE
+    if _LEFT_BEHIND or tdist.is_initialized():
+        raise TPError("this process already ran a tensor-parallel group (an NCCL group cannot be torn down "
+                      "safely, see baton.dist.destroy_tp): start each tensor-parallel job in its own process, "
+                      "e.g. launch_ranks(..., rank0_in_caller=False)")
     env.configure_tp_environment()
     device = torch.device("cpu")
     kwargs: dict[str, Any] = {}
@@ -127,15 +131,33 @@ def init_tp(rank: int, world_size: int, backend: str = "gloo", init_method: str 
 
 
 TEARDOWN_TIMEOUT_S = 30.0  # a rank's whole teardown; past it the group is left behind (the process is ending)
+_LEFT_BEHIND: list[Any] = []  # NCCL groups never torn down (see destroy_tp): referenced, so never destructed
+
+
+def nccl_left_behind() -> bool:
+    """True once this process has left an NCCL group behind: it must end with ``os._exit`` (``hard_exit``),
+    since the group's destructor at interpreter exit would try the teardown that hangs."""
+    return bool(_LEFT_BEHIND)
+
+
+def hard_exit(code: int) -> None:
+    """Flush and end the process now, without interpreter teardown (see ``nccl_left_behind``)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
 
 
 def destroy_tp(timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
-    """Leave the group. Every rank first finishes its queued GPU work and meets the others on the CPU group;
-    an NCCL group is then aborted rather than shut down gracefully: the graceful path (``ncclCommDestroy``
-    behind ``destroy_process_group``) hung on every rank of the 2 x H200 runs of 2026-11-29 after all work was
-    done (communicators used inside captured CUDA graphs), while abort only frees local resources, which is
-    all a group with no pending work needs. The teardown runs on a daemon thread bounded by ``timeout_s``: a
-    teardown that still hangs is logged and left behind instead of blocking the process's exit."""
+    """Leave the group: every rank finishes its queued GPU work and meets the others on the CPU group (bounded
+    by ``timeout_s``; a rank that cannot is logged with where it is stuck). A gloo group is then destroyed.
+
+    An NCCL group is left behind instead: on the 2 x H200 machine (torch 2.11, CUDA 13) the NCCL teardown
+    itself hung on every rank after all work was done and after this barrier, in ``destroy_process_group``
+    (2026-11-29) and in ``_abort_process_group`` alike (2026-11-30, stacks in benchmarks/results/
+    h200-drafts-2026-11-30/). A process that ran an NCCL rank therefore ends with ``hard_exit`` (the spawned
+    ranks always do; the CLI does when ``nccl_left_behind``), and cannot join a second NCCL group: run each
+    tensor-parallel job in its own process (``launch_ranks(..., rank0_in_caller=False)`` does)."""
     global _STATE
     st = _STATE
     _STATE = TPGroup()
@@ -147,9 +169,8 @@ def destroy_tp(timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
             torch.cuda.synchronize(st.device)
         with contextlib.suppress(Exception):  # a peer that already left must not block this one
             tdist.barrier(group=st.cpu_group)
-        abort = getattr(tdist.distributed_c10d, "_abort_process_group", None)
-        if st.backend == "nccl" and abort is not None:
-            abort()
+        if st.backend == "nccl":
+            _LEFT_BEHIND.append((st.group, st.cpu_group, st.fast_all_reduce))
         else:
             tdist.destroy_process_group()
 
@@ -165,6 +186,7 @@ def destroy_tp(timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
+        _LEFT_BEHIND.append((st.group, st.cpu_group, st.fast_all_reduce))
         frame = sys._current_frames().get(thread.ident)
         where = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
         log.warning("rank %d: tensor-parallel teardown did not finish in %.0f s; leaving the group behind. "
@@ -356,9 +378,7 @@ def _rank_entry(fn, args, rank, world_size, backend, init_method, timeout_s, sha
         _report(shared, rank, f"{type(e).__name__}: {e}")
         os._exit(1)  # no teardown: peers may be stuck in a collective with us
     destroy_tp()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # the result is delivered: no interpreter teardown (or a left-behind group) to wait on
+    hard_exit(0)  # the result is delivered: no interpreter teardown (or a left-behind NCCL group) to wait on
 
 
 def _report(shared: _Shared, rank: int, message: str) -> None:

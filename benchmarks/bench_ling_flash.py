@@ -70,10 +70,23 @@ def _summary(spec: dict, runs: list[dict]) -> dict:
             "accept_length": summarize(runs, "accept_length")}
 
 
+def _census_rank(engine, input_len: int) -> dict:
+    """Every rank at once (TPEngine.call_all): the census of its own step, whose collectives pair up with the
+    other ranks' replays, and the graph times. The floor is this rank's bytes (its weight shards) / 4.2 TB/s."""
+    from baton.bench.census import _prepare, format_census, run_census
+
+    census = run_census(engine, input_len, num_steps=50, profile_steps_n=10)
+    _prepare(engine, input_len)
+    return {"census": census, "graph_us": graph_times(engine), "text": format_census(census)}
+
+
 def _tp_leader(engine, args) -> dict:
-    """Rank 0 under --tp-size > 1: the timed requests (mirrored on every rank by TPEngine). The census replays
-    one rank's graphs alone, which a collective inside them cannot do, so it is left out at TP > 1."""
-    return {"runs": _timed_runs(engine, args), "gpu_mem_gb": torch.cuda.max_memory_allocated() / 1e9}
+    """Rank 0 under --tp-size > 1: the timed requests (mirrored on every rank by TPEngine), then the census on
+    every rank at once (rank 0's is returned)."""
+    runs = _timed_runs(engine, args)
+    census = engine.call_all(_census_rank, args.input_len)
+    print(census.pop("text"), flush=True)
+    return {"runs": runs, "gpu_mem_gb": torch.cuda.max_memory_allocated() / 1e9, **census}
 
 
 def run_mode(args, path: str, spec: dict) -> dict:
@@ -89,9 +102,10 @@ def run_mode(args, path: str, spec: dict) -> dict:
         from baton.engine.tp import run_tp
         from benchmarks.bench_ling_flash import _tp_leader as leader  # by module name: spawned ranks import it
 
-        out = run_tp(server_args, leader, (args,))
+        # every rank a child: this process holds no NCCL group, so the next mode can start a fresh one
+        out = run_tp(server_args, leader, (args,), rank0_in_caller=False)
         return {**_summary(spec, out["runs"]), "tp_size": args.tp_size, "gpu_mem_gb_rank0": out["gpu_mem_gb"],
-                "runs": out["runs"]}
+                "graph_us": out["graph_us"], "census": out["census"], "runs": out["runs"]}
     engine = Engine(server_args)
     runs = _timed_runs(engine, args)
     census = run_census(engine, args.input_len, num_steps=50, profile_steps_n=10)
@@ -113,7 +127,7 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--num-requests", type=int, default=2)
     p.add_argument("--modes", default="plain,nextn")
-    p.add_argument("--tp-size", type=int, default=1, help="ranks (one GPU each); no census at TP > 1")
+    p.add_argument("--tp-size", type=int, default=1, help="ranks (one GPU each); the census is rank 0's")
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8 experts: the whole 42-layer model (+ MTP) fits one H200 (about 133 GB)")
     args = p.parse_args()

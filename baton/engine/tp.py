@@ -12,6 +12,9 @@ Aborts (a client that disconnects, ``/abort_request``): rank 0's decision is bro
 broadcast per 8 steps, no per-step host round trip, and in the CUDA-graph loop it overlaps the step already
 enqueued; an abort takes effect within 8 steps. The same poll counts progress for the supervisor's hang check.
 A rank that raises inside a request cannot rejoin the lockstep, so the whole run ends (baton.dist.fatal).
+
+``TPEngine.call_all`` runs a function on every rank's engine at once (the census at TP > 1: each rank replays
+its captured steps, whose collectives pair up across ranks).
 """
 
 from __future__ import annotations
@@ -96,6 +99,14 @@ class TPEngine:
             dist.broadcast_object(("flush", None))
             self.engine.flush_cache()
 
+    def call_all(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(engine, *args)`` on every rank at once (each on its own Engine) and return rank 0's result:
+        for work whose collectives must run in lockstep outside a request, such as the census replaying the
+        captured steps. ``fn`` and ``args`` must pickle (a module-level function)."""
+        with self._lock:
+            dist.broadcast_object(("call", (fn, args)))
+            return fn(self.engine, *args)
+
     def shutdown(self) -> None:
         """Tell the other ranks to leave ``follow`` (after the request in flight, if any)."""
         with self._lock:
@@ -110,6 +121,10 @@ def follow(engine: Any) -> None:
             return
         if cmd == "flush":
             engine.flush_cache()
+            continue
+        if cmd == "call":
+            fn, args = req
+            fn(engine, *args)
             continue
         dist.set_busy(True)
         for _ in engine.generate(req, StepPoll()):

@@ -27,6 +27,17 @@ def generate_all(engine, requests: list[tuple[list[int], dict]]) -> list[tuple[l
     return out
 
 
+def rank_sum_plus(engine, x: float) -> float:
+    """Every rank (through TPEngine.call_all): all-reduce of rank + x, so rank 0's answer proves all ran it."""
+    return float(dist.all_reduce(torch.tensor([dist.tp_rank() + x]))[0])
+
+
+def call_on_all(engine, x: float) -> tuple[float, list]:
+    """Rank 0's leader: ``call_all`` once, then a greedy request (the ranks still agree after it)."""
+    total = engine.call_all(rank_sum_plus, x)
+    return total, generate_all(engine, [([3, 5, 7], dict(temperature=0.0, max_new_tokens=4, ignore_eos=True))])
+
+
 def _abort_after(n: int):
     """A should_abort that says yes from its (n+1)-th call on."""
     calls = iter(range(10**9))

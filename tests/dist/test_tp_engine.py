@@ -18,7 +18,7 @@ from baton.cli import main as baton_main
 from baton.config import ServerArgs, SpecConfig
 from baton.engine.engine import Engine
 from baton.engine.tp import run_tp
-from tests.dist.ranks import generate_all, use_graph_program
+from tests.dist.ranks import call_on_all, generate_all, use_graph_program
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [3, 5, 7, 11, 13, 17, 19, 23]
@@ -61,6 +61,14 @@ def test_ling_tp2_equals_tp1_nextn(ling_path):
     want, got = _both(ling_path, requests, algorithm="NEXTN", num_steps=3)
     assert got == want
     assert got[0][2] > 0  # verify steps ran
+
+
+def test_call_all_runs_on_every_rank_and_the_ranks_stay_in_step(ling_path):
+    engine = Engine(_args(ling_path, 1))
+    want = generate_all(engine, [([3, 5, 7], dict(temperature=0.0, max_new_tokens=4, ignore_eos=True))])
+    total, got = run_tp(_args(ling_path, 2), call_on_all, (10.0,), rank0_in_caller=False, timeout_s=60)
+    assert total == (0 + 10.0) + (1 + 10.0)  # rank 1 ran it too: its all-reduce met rank 0's
+    assert got == want
 
 
 def test_ling_tp2_graph_program_equals_tp1(ling_path):

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--json", default=None, help="write the rows here")
     ns = p.parse_args(argv)
-    rows = dist.launch_ranks(_rank, ns.tp_size, (tuple(ns.sizes), ns.iters), backend="nccl")
+    rows = dist.launch_ranks(_rank, ns.tp_size, (tuple(ns.sizes), ns.iters), backend="nccl", rank0_in_caller=False)
     print(f"all-reduce latency, {ns.tp_size} GPUs ({torch.cuda.get_device_name()}), bf16, torch {torch.__version__}")
     print(format_table(rows))
     if ns.json:
