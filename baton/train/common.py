@@ -202,17 +202,21 @@ def lr_at(step: int, total: int, opts: TrainOptions) -> float:
     return floor + (opts.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-# Steps at which a --time-budget run re-estimates its step time and cuts its step count to fit: the first
-# estimate skips the first few steps (allocator and kernel warm-up), the later ones refine it.
-REPLAN_AT = (20, 100, 400)
+# Steps at which a --time-budget run re-estimates its step time and sets its step count to what fits: the first
+# estimate skips the first few steps (allocator and kernel warm-up), the later ones refine it, up or down (the
+# H200 run of 2026-11-30 measured 0.8 s/step over steps 6-20 of NEXTN training and 0.12 s/step after, and, cut
+# once for good, stopped at 140 s of its 480 s budget).
+REPLAN_AT = (20, 100, 400, 1000)
 REPLAN_SKIP = 5
 
 
-def replan(total: int, done: int, elapsed: float, since_skip: float, budget: float) -> int:
-    """The step count that fits ``budget`` seconds: ``done`` steps took ``elapsed`` s, the last ``done -
-    REPLAN_SKIP`` of them ``since_skip`` s (the per-step estimate). Never more than ``total`` nor less than
-    ``done`` (a budget already spent ends the run at the next step)."""
-    per_step = since_skip / max(1, done - REPLAN_SKIP)
+def replan(total: int, done: int, elapsed: float, window_s: float, budget: float,
+           window_steps: int | None = None) -> int:
+    """The step count that fits ``budget`` seconds: ``done`` steps took ``elapsed`` s, the last
+    ``window_steps`` of them (default ``done - REPLAN_SKIP``) ``window_s`` s (the per-step estimate). Never
+    more than ``total`` nor less than ``done`` (a budget already spent ends the run at the next step)."""
+    n = done - REPLAN_SKIP if window_steps is None else window_steps
+    per_step = window_s / max(1, n)
     fits = done + int(max(0.0, budget - elapsed) / max(per_step, 1e-9))
     return max(done, min(total, fits))
 
@@ -282,7 +286,9 @@ def train_loop(task: Task, feature_batches: Iterator[list[tuple[Sample, Any]]], 
     if evaluate is not None and opts.eval_every:
         history.evals.append({"step": 0, "accept_length": _evaluate(task, evaluate)})
     bar = tqdm(total=total_steps, desc=desc, unit="step", disable=env.disable_progress())
-    budget, spent, t_skip = opts.time_budget, 0.0, 0.0  # spent: seconds of steps (evaluations excluded)
+    budget, spent = opts.time_budget, 0.0  # spent: seconds of steps (evaluations excluded)
+    mark = (0, 0.0)  # (steps, seconds) where the current step-time window starts
+    planned = total_steps  # the epochs' count: a time budget may cut it, never exceed it
     for step, batch in enumerate(feature_batches):
         if step >= total_steps:
             break
@@ -292,14 +298,19 @@ def train_loop(task: Task, feature_batches: Iterator[list[tuple[Sample, Any]]], 
         ts = time.perf_counter()
         record = _train_step(task, batch, gen, optimizer, opts, device)
         spent += time.perf_counter() - ts
-        t_skip = spent if step + 1 == REPLAN_SKIP else t_skip
-        if budget is not None and (step + 1 in REPLAN_AT or spent >= budget):
-            cut = replan(total_steps, step + 1, spent, spent - t_skip, budget)
-            if cut < total_steps:
-                log.info("time budget %.0f s: %d steps in %.1f s, total cut from %d to %d steps", budget, step + 1,
-                         spent, total_steps, cut)
-                total_steps = cut
-                bar.total = cut
+        if step + 1 == REPLAN_SKIP:
+            mark = (step + 1, spent)  # the estimate's window starts after the warm-up steps
+        due = budget is not None and (step + 1 in REPLAN_AT or step + 1 == total_steps < planned or spent >= budget)
+        if due and step + 1 > mark[0]:
+            # the window since the last estimate (the warm-up excluded), against the planned count: a later,
+            # faster estimate gives back steps an earlier one cut (a run cut short re-estimates at its end)
+            fit = replan(planned, step + 1, spent, spent - mark[1], budget, step + 1 - mark[0])
+            mark = (step + 1, spent)
+            if fit != total_steps:
+                log.info("time budget %.0f s: %d steps in %.1f s, total %s from %d to %d steps", budget, step + 1,
+                         spent, "cut" if fit < total_steps else "raised", total_steps, fit)
+                total_steps = fit
+                bar.total = fit
         record.update(step=step + 1, lr=lr, elapsed_s=time.perf_counter() - t0)
         history.steps.append(record)
         bar.update(1)

@@ -67,6 +67,30 @@ def test_train_loop_cuts_steps_to_the_budget(fake_clock, tmp_path):
     assert history.steps[-1]["lr"] < 0.01 * opts.lr
 
 
+def test_a_later_faster_estimate_raises_the_count_an_early_one_cut(monkeypatch, tmp_path):
+    """Steps 1-20 take 4 s, later ones 0.5 s: at step 20 the estimate cuts the run hard; from step 100 on it is
+    raised again (never past the planned 2000), and the run ends near its 300 s budget, not at ~80 s."""
+    now, calls = [0.0], [0]
+    step = common._train_step
+
+    def timed_step(*a, **kw):
+        calls[0] += 1
+        now[0] += 4.0 if calls[0] <= 20 else 0.5
+        return step(*a, **kw)
+
+    monkeypatch.setattr(common.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(common, "_train_step", timed_step)
+    opts = TrainOptions(output=str(tmp_path), time_budget=300.0, log_every=0)
+    n = 2000
+    x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
+    history = train_loop(_Task(), iter([[(Sample([1, 2], 1), x[i])] for i in range(n)]), n, opts,
+                         torch.device("cpu"))
+    steps = len(history.steps)
+    assert 20 + (300 - 80) / 0.5 * 0.9 < steps <= n  # about 460 steps fit; the first estimate allowed ~80
+    assert now[0] <= 300.0 + 0.5
+    assert history.steps[-1]["lr"] < 0.05 * opts.lr  # the schedule still ends at its floor
+
+
 def test_train_loop_without_budget_runs_every_step(fake_clock, tmp_path):
     opts = TrainOptions(output=str(tmp_path), log_every=0)
     assert len(train_loop(_Task(), _batches(30), 30, opts, torch.device("cpu")).steps) == 30
