@@ -83,6 +83,13 @@ def use_pdl() -> bool:
     return _get("BATON_PDL", "1") not in ("0", "", "false", "False")
 
 
+def use_fused_attention() -> bool:
+    """``BATON_FUSED_ATTENTION`` (default off until its H200 measurement): decode / verify attention of Llama
+    layers in one Triton kernel (RoPE, cache write, split attention and merge; ops/attention/fused_decode.py)
+    instead of three."""
+    return _get("BATON_FUSED_ATTENTION", "0") not in ("0", "", "false", "False")
+
+
 def triton_interpret() -> bool:
     """``TRITON_INTERPRET``: Triton kernels run in its CPU interpreter, where PDL instructions do not exist."""
     return _get("TRITON_INTERPRET", "0") not in ("0", "", "false", "False")

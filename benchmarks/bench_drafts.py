@@ -139,6 +139,11 @@ def run_config(args: argparse.Namespace, label: str, spec: dict[str, Any], test:
                              context_length=args.context_length, seed=args.seed, spec=SpecConfig(**spec))
     t0 = time.perf_counter()
     engine = TimedEngine(Engine(server_args))
+    if args.fp8_target:  # the target's MLP weights through fp8 (in place: captured graphs see the new values)
+        from baton.ops.quant import fake_quantize_mlp_fp8
+
+        fake_quantize_mlp_fp8(engine.engine.model)
+        label += " [fp8 target]"
     load_s = time.perf_counter() - t0
     client = EngineClient(engine, label)
     rows, runs = [], {}
@@ -154,7 +159,8 @@ def run_config(args: argparse.Namespace, label: str, spec: dict[str, Any], test:
                                1, DEFAULT_STOP, temp)
             stats = engine.spec_stats
             timing = engine.requests
-            row = {"config": label, "algorithm": spec.get("algorithm"), "num_steps": spec.get("num_steps"),
+            row = {"config": label, "fp8_target": bool(args.fp8_target), "algorithm": spec.get("algorithm"),
+                   "num_steps": spec.get("num_steps"),
                    "num_draft_tokens": spec.get("num_draft_tokens"), "temperature": temp,
                    "accuracy": result.accuracy, "invalid": result.invalid, "accept_length": result.accept_length,
                    "output_tok_s": result.output_throughput, "mean_tpot_ms": _mean([r["tpot_ms"] for r in timing]),
@@ -190,7 +196,8 @@ def _fmt(x: float | None, spec: str = ".2f", unit: str = "") -> str:
 
 
 def add_speedups(rows: list[dict[str, Any]]) -> None:
-    plain = {r["temperature"]: r["output_tok_s"] for r in rows if r["config"] == "plain" and "error" not in r}
+    plain = {r["temperature"]: r["output_tok_s"] for r in rows
+             if r.get("algorithm") is None and "error" not in r and r["config"].startswith("plain")}
     for r in rows:
         base = plain.get(r["temperature"])
         r["speedup"] = r["output_tok_s"] / base if base and r.get("output_tok_s") is not None else None
@@ -231,6 +238,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context-length", type=int, default=None, help="default: the model's")
     p.add_argument("--seed", type=int, default=0, help="question i samples with seed + i (default %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured requests per engine and temperature")
+    p.add_argument("--fp8-target", action="store_true",
+                   help="the target's MLP weights rounded through fp8 e4m3 with 128 x 128 block scales (the dense "
+                        "stand-in for fp8 experts): the drafts' accept length against an fp8 target")
     p.add_argument("--output-name", default="drafts_gsm8k", help="results file stem (default %(default)s)")
     return p.parse_args(argv)
 
@@ -266,7 +276,8 @@ def main(argv: list[str] | None = None) -> Path:
     out = save(args.output_name, record)
     md = out.with_suffix(".md")
     head = (f"GSM8K, {len(test)} questions, {args.num_shots}-shot, max {args.max_new_tokens} new tokens, "
-            f"{args.device} {args.dtype}{', no CUDA graphs' if args.disable_cuda_graph else ''}; "
+            f"{args.device} {args.dtype}{', no CUDA graphs' if args.disable_cuda_graph else ''}"
+            f"{', target MLP weights through fp8' if args.fp8_target else ''}; "
             f"commit {record['env']['commit']}\n\n")
     md.write_text(head + table)
     print(table)

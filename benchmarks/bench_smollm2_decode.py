@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import time
 
 import torch
@@ -46,6 +47,20 @@ def hf_generate(engine, prompt_ids: list[int], new_tokens: int) -> dict:
     return {"ms_per_token": 1e3 * per_token, "tok_s": 1.0 / per_token, "new_tokens": new_tokens}
 
 
+def measure(args, prompt: list[int], fused: bool):
+    """A fresh engine with BATON_FUSED_ATTENTION = ``fused`` (read while its graphs are captured): one warm-up
+    request, ``--repeats`` timed ones; (engine, runs, the last request's tokens)."""
+    from baton.config import ServerArgs
+    from baton.engine.engine import Engine
+
+    os.environ["BATON_FUSED_ATTENTION"] = "1" if fused else "0"
+    engine = Engine(ServerArgs(load_format=args.load_format, device="cuda", dtype="bfloat16",
+                               context_length=args.prompt_len + args.new_tokens + 64))
+    timed_request(engine, prompt, 32)  # warm
+    runs = [timed_request(engine, prompt, args.new_tokens) for _ in range(args.repeats)]
+    return engine, runs, list(engine.last_sequence)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt-len", type=int, default=512)
@@ -54,17 +69,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--load-format", default="auto", help="dummy: random weights at the SmolLM2 config")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--fused-attention", choices=["off", "on", "ab"], default="off",
+                   help="BATON_FUSED_ATTENTION for the measured engine; ab: one engine each way in this run, "
+                        "the ratio and whether their greedy tokens agree (the headline figures are 'off')")
     args = p.parse_args()
 
-    from baton.config import ServerArgs
-    from baton.engine.engine import Engine
-
-    engine = Engine(ServerArgs(load_format=args.load_format, device="cuda", dtype="bfloat16",
-                               context_length=args.prompt_len + args.new_tokens + 64))
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, 40000, (args.prompt_len,), generator=gen).tolist()
-    timed_request(engine, prompt, 32)  # warm
-    runs = [timed_request(engine, prompt, args.new_tokens) for _ in range(args.repeats)]
+    ways = {"off": [False], "on": [True], "ab": [False, True]}[args.fused_attention]
+    measured = {fused: measure(args, prompt, fused) for fused in ways}
+    engine, runs, _ = measured[ways[0]]
     tok_s = summarize(runs, "decode_tok_s")
     step_bytes = bytes_per_token(engine, args.prompt_len + args.new_tokens // 2)
     record = {"benchmark": "smollm2_decode", "env": env_card(), "prompt_len": args.prompt_len,
@@ -74,6 +88,13 @@ def main() -> None:
     if not args.skip_hf:
         record["hf_generate"] = hf_generate(engine, prompt, args.hf_new_tokens)
         record["speedup_vs_hf_generate"] = tok_s["median"] / record["hf_generate"]["tok_s"]
+    if len(ways) == 2:
+        (_, runs_off, tokens_off), (_, runs_on, tokens_on) = measured[False], measured[True]
+        off, on = summarize(runs_off, "decode_tok_s")["median"], summarize(runs_on, "decode_tok_s")["median"]
+        record["fused_attention_ab"] = {"off_tok_s": off, "on_tok_s": on, "on_over_off": on / off,
+                                        "same_tokens": tokens_off == tokens_on, "runs_on": runs_on}
+        print(f"fused attention: off {off:.0f} tok/s, on {on:.0f} tok/s (x{on / off:.3f}), "
+              f"same tokens: {tokens_off == tokens_on}")
     record["peer_hf_static_compile_ms"] = 1.54  # measured on the project's H200 (perf-anchors.md)
     record["speedup_vs_hf_static_compile"] = 1.54 / record["baton_ms_per_token"]
     save("smollm2_decode", record)

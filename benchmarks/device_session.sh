@@ -11,8 +11,10 @@
 #                             or, without data, generation first and the linear tuning sweep on GPU 1
 #   w  (carry .whl)           while the recipe trains: the TP2 GPU tests once (correctness only: they share the
 #                             GPUs with training); then wait for the recipe's report, pack drafts and report
-#   e  (carry .whl)           after training: SmolLM2 plain-decode bench + census (GPU 0); the whole Ling-3.0-flash
-#                             bf16 at TP2, one-shot all-reduce, plain and NEXTN; fp8 NEXTN at TP2
+#   e  (carry .whl)           after training: the fused-attention kernel tests, the SmolLM2 plain-decode bench with
+#                             the fused-attention A/B, censuses of plain and NEXTN SmolLM2 steps (GPU 0); the whole
+#                             Ling-3.0-flash bf16 at TP2 (one-shot all-reduce, plain and NEXTN, with the TP census);
+#                             fp8 NEXTN at TP2 if time is left
 #   d  (carry .whl)           TP2 only: the tests, all-reduce latency, bf16 plain / NEXTN and fp8 NEXTN benches
 #   t  (carry .whl)           tune the linear kernels' configs; the table comes back as nvidia-h200.json
 #
@@ -33,7 +35,7 @@ export BATON_COMMIT=$(cat .whl/commit.txt 2>/dev/null || echo unknown)
 R=/tmp/res/$phase; mkdir -p "$R"
 GPU_TESTS="tests/ops/test_linear_triton.py tests/ops/test_attention_triton.py tests/ops/test_mla_triton.py
   tests/ops/test_kda_triton.py tests/ops/test_kda_fla.py tests/ops/test_moe_triton.py tests/ops/test_moe_fp8.py
-  tests/engine/test_cuda_graphs.py tests/ops/test_linear_table.py"
+  tests/engine/test_cuda_graphs.py tests/ops/test_linear_table.py tests/ops/test_attention_fused.py"
 nvidia-smi --query-gpu=index,name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv > "$R/gpu.txt"
 t0=$SECONDS
 py() { PYTHONUNBUFFERED=1 python3 "$@"; }
@@ -99,11 +101,17 @@ w)
   cp /tmp/res/drafts_* "$R/" 2>/dev/null; cp /tmp/train/drafts_* "$R/" 2>/dev/null; cp -r /tmp/train/results "$R/" 2>/dev/null ;;
 e)
   ( export CUDA_VISIBLE_DEVICES=0
-    OUT=$R timeout 100 python3 benchmarks/bench_smollm2_decode.py > "$R/smollm2.log" 2>&1
+    # the one-kernel decode attention: its kernel tests compiled, then the A/B of the whole decode in one run
+    timeout 120 python3 -m pytest -q tests/ops/test_attention_fused.py -p no:cacheprovider -rfEs \
+        > "$R/fused_attention_tests.log" 2>&1
+    OUT=$R timeout 150 python3 benchmarks/bench_smollm2_decode.py --fused-attention ab > "$R/smollm2.log" 2>&1
     echo "smollm2 rc=$? at $((SECONDS - t0)) s" >> "$R/smollm2.log"
-    timeout 80 python3 -m baton census --speculative-algorithm none --input-len 512 --num-steps 200 \
-        --output-file "$R/census_smollm2.jsonl" > "$R/census_smollm2.log" 2>&1
-    echo "census rc=$? at $((SECONDS - t0)) s" >> "$R/census_smollm2.log" )
+    # census: plain and the shipped NEXTN (3 steps), unfused and fused attention
+    for alg in none NEXTN; do for f in 0 1; do
+      BATON_FUSED_ATTENTION=$f timeout 60 python3 -m baton census --speculative-algorithm $alg --input-len 512 \
+          --num-steps 200 --output-file "$R/census_smollm2_${alg}_fused$f.jsonl" > "$R/census_smollm2_${alg}_fused$f.log" 2>&1
+    done; done
+    echo "census rc=$? at $((SECONDS - t0)) s" >> "$R/census_smollm2_NEXTN_fused1.log" )
   export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=120 BATON_TP_ALLREDUCE=${BATON_TP_ALLREDUCE:-auto}
   OUT=$R timeout -s ABRT ${TP_S:-250} python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 \
       --modes plain,nextn --num-requests 1 > "$R/tp2.log" 2>&1

@@ -83,17 +83,11 @@ def small_ling(tokens: int) -> dict:
 def smollm2(tokens: int) -> dict:
     from baton.config import ServerArgs
     from baton.engine.engine import Engine
-    from baton.layers.mlp import MLP
-    from baton.ops.quant import dequantize_fp8_block, quantize_fp8_block
+    from baton.ops.quant import fake_quantize_mlp_fp8
 
     ref = Engine(ServerArgs())
     test = Engine(ServerArgs())
-    with torch.no_grad():
-        for m in test.model.modules():
-            if isinstance(m, MLP):
-                gate, up = m.gate_up_proj.weight.data.chunk(2)
-                for w in (gate, up, m.down_proj.weight.data):
-                    w.copy_(dequantize_fp8_block(*quantize_fp8_block(w), torch.float32))
+    fake_quantize_mlp_fp8(test.model)
     tok = ref.tokenizer
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Explain how a rainbow forms."}]))
     return _compare(ref.model, test.model, prompt, tokens)

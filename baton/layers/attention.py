@@ -13,7 +13,7 @@ from baton.layers.context import ForwardContext
 from baton.layers.linear import FusedLinear, RowParallelLinear, shard_count
 from baton.layers.norm import RMSNorm
 from baton.layers.rope import RotaryEmbedding
-from baton.ops.attention import attention, rope_and_cache_write
+from baton.ops.attention import rope_cache_attention
 from baton.ops.linear import linear
 
 
@@ -42,9 +42,8 @@ class GQAttention(nn.Module):
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         cache: KVCache = ctx.cache[self.layer_id]
-        q = rope_and_cache_write(q, k, v, ctx.positions, self.rope.inv_freq, cache.k, cache.v, interleaved=False)
-        k_all, v_all = cache.view(ctx.kv_len)
-        o = attention(q, k_all, v_all, ctx.positions, self.scale)
+        o = rope_cache_attention(q, k, v, ctx.positions, self.rope.inv_freq, cache.k, cache.v, self.scale,
+                                 ctx.kv_len)
         return self.o_proj.project(o.reshape(t, self.num_heads * self.head_dim), residual)
 
     def make_cache(self, max_len: int, dtype: torch.dtype, device) -> KVCache:

@@ -29,9 +29,13 @@ def test_graph_replay_equals_eager_ling(ling_path, spec):
     assert got == eager
 
 
-def test_graph_replay_equals_eager_llama_nextn(llama_path, llama_nextn_path):
+@pytest.mark.parametrize("fused", ["0", "1"])
+def test_graph_replay_equals_eager_llama_nextn(llama_path, llama_nextn_path, fused, monkeypatch):
+    """With BATON_FUSED_ATTENTION=1 the captured target and draft steps take the one-kernel attention; the eager
+    reference is the unfused path either way (fp32: the same tokens)."""
     spec = {"algorithm": "NEXTN", "num_steps": 4, "draft_model_path": llama_nextn_path}
     eager, _ = run(cuda_engine(llama_path, graphs=False, **spec), max_new_tokens=48)
+    monkeypatch.setenv("BATON_FUSED_ATTENTION", fused)
     got, _ = run(cuda_engine(llama_path, **spec), max_new_tokens=48)
     assert got == eager
 

@@ -1,7 +1,8 @@
 """Attention over a position-indexed cache; ``attention`` picks the implementation for the device.
 
 CUDA tensors take the Triton kernels (``triton.py``: flash-decoding attention; ``rope_cache.py``: RoPE plus the
-cache write) when triton imports and ``baton.env.use_triton()`` allows; CPU tensors, a custom mask, or no
+cache write; ``fused_decode.py``: all of it in one kernel for a few new tokens, opt-in with
+``BATON_FUSED_ATTENTION``) when triton imports and ``baton.env.use_triton()`` allows; CPU tensors, a custom mask, or no
 triton take the plain-PyTorch reference. Triton is imported on the first CUDA call, never by importing this
 package.
 """
@@ -14,12 +15,13 @@ from types import ModuleType
 
 import torch
 
-from baton.env import use_triton
+from baton.env import use_fused_attention, use_triton
 from baton.ops.attention.naive import attention as attention_naive
 from baton.ops.attention.naive import causal_mask
 from baton.ops.rope import apply_rope, rope_cos_sin
 
-__all__ = ["attention", "causal_mask", "rope_and_cache_write", "triton_module"]
+__all__ = ["attention", "causal_mask", "rope_and_cache_write", "rope_cache_attention", "triton_module",
+           "use_fused_decode"]
 
 
 @functools.cache
@@ -44,6 +46,33 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: to
     if impl is not None:
         return impl.attention(q, k, v, q_positions, scale)
     return attention_naive(q, k, v, q_positions, scale, mask)
+
+
+FUSED_MAX_TOKENS = 16  # fused_decode.MAX_TOKENS (not imported here: that would import triton)
+
+
+def use_fused_decode(q: torch.Tensor, interleaved: bool) -> bool:
+    """Whether ``rope_cache_attention`` takes the one-kernel path for ``q`` [T, H, D]."""
+    return (not interleaved and q.shape[0] <= FUSED_MAX_TOKENS and use_fused_attention()
+            and triton_module("baton.ops.attention.fused_decode", q) is not None)
+
+
+def rope_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         cos_sin_or_inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         scale: float, kv_len: int | None) -> torch.Tensor:
+    """RoPE on q and k, ``k_cache[positions] = RoPE(k)``, ``v_cache[positions] = v``, then causal attention of
+    RoPE(q) over the cache's first ``kv_len`` rows: q [T, H, D], k / v [T, Hkv, D], positions [T] contiguous
+    (the next tokens of one sequence), rotate-half RoPE over the full head dim. One kernel on CUDA when
+    ``use_fused_decode`` says so; otherwise ``rope_and_cache_write`` then ``attention``."""
+    if use_fused_decode(q, interleaved=False) and 2 * _half(cos_sin_or_inv_freq) == q.shape[-1]:
+        impl = _import("baton.ops.attention.fused_decode")
+        return impl.fused_rope_cache_attention(q, k, v, positions, cos_sin_or_inv_freq, k_cache, v_cache, scale)
+    q = rope_and_cache_write(q, k, v, positions, cos_sin_or_inv_freq, k_cache, v_cache, interleaved=False)
+    return attention(q, k_cache[:kv_len], v_cache[:kv_len], positions, scale)
+
+
+def _half(table: torch.Tensor) -> int:
+    return table.shape[1] // 2 if table.dim() == 2 else table.shape[0]
 
 
 def rope_and_cache_write(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor | None, positions: torch.Tensor,
