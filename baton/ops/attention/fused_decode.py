@@ -180,8 +180,10 @@ def fused_decode_kernel(
         _store_partial(part_o_ptr, part_lse_ptr, acc, m_i, l_i, part_rows, row_ok, (start < end) | (split == 0),
                        split, num_rows, offs_v, HEAD_DIM_V)
         counter = count_ptr + tile * num_kv_heads + kv_head
+        tl.debug_barrier()  # every thread's partial stores precede the release below (CUTLASS's semaphore order)
         ticket = tl.atomic_add(counter, 1, sem="acq_rel")  # our partial is visible to whoever draws the last
         if ticket == num_splits - 1:  # every split has stored: merge (splits past num_active hold no keys)
+            tl.debug_barrier()  # and every thread's loads follow the acquire
             m = tl.full([BLOCK_M], NEG_BIG, tl.float32)
             den = tl.zeros([BLOCK_M], tl.float32)
             out = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
