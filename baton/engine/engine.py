@@ -135,7 +135,7 @@ class Engine:
     def generate(self, req: Request, should_abort: Callable[[], bool] | None = None) -> Iterator[StepOutput]:
         self.validate_request(req)
         with torch.inference_mode():
-            if self.graphs is not None and req.sampling.is_greedy:
+            if self.graphs is not None and (req.sampling.is_greedy or self.graphs.can_sample):
                 yield from self._generate_graph(req, should_abort or (lambda: False))
             else:
                 yield from self._generate(req, should_abort or (lambda: False))
@@ -193,13 +193,19 @@ class Engine:
         return anchor, prompt.shape[0]
 
     def _generate_graph(self, req: Request, should_abort: Callable[[], bool]) -> Iterator[StepOutput]:
-        """Greedy decoding over CUDA graphs with host run-ahead: step k+1 is enqueued before step k's tokens
-        are read (from pinned memory, copied on a side stream), so the GPU never waits for the host."""
+        """Decoding over CUDA graphs (greedy; sampled too with NEXTN or no drafter) with host run-ahead: step k+1
+        is enqueued before step k's tokens are read (from pinned memory, copied on a side stream), so the GPU
+        never waits for the host."""
         sp = req.sampling
         out = OutputTracker(self.tokenizer, sp, self.eos_token_ids)
         if sp.max_new_tokens == 0:
             yield StepOutput([], "", True, {"type": "length", "length": 0})
             return
+        sampled = not sp.is_greedy
+        if sampled:  # the sampled graphs (captured at first use, before this request's state exists) read the
+            self.graphs.sampled_replays()  # default generator: seeded here, so a seed repeats the request
+            self._seed_default_generator(sp.seed if sp.seed is not None else int(time.time_ns() % (2**63)))
+            self.graphs.relay.set_sampling(sp.temperature, sp.top_k, sp.top_p, sp.min_p)
         anchor, pos = self._prefill(req, None)
         self.graphs.start(anchor, pos)
         first = anchor.tolist()
@@ -213,14 +219,14 @@ class Engine:
         sync_check = torch.cuda.set_sync_debug_mode if env.sync_debug() else None
         try:
             with _sync_debug(sync_check):
-                self.graphs.step(host_step)
+                self.graphs.step(host_step, sampled)
                 while not out.finished:
                     if should_abort():
                         e = out.abort()
                         yield StepOutput([], e.text, True, e.finish_reason, num_verify, simulated)
                         return
                     host_step += 1
-                    self.graphs.step(host_step)  # enqueue step k+1 ...
+                    self.graphs.step(host_step, sampled)  # enqueue step k+1 ...
                     tokens = self.graphs.relay.read(host_step - 1)  # ... then read step k
                     if spec:
                         num_verify += 1
@@ -233,6 +239,14 @@ class Engine:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # the step in flight is discarded
             self.last_pos = int(self.graphs.relay.pos)
+
+    def _seed_default_generator(self, seed: int) -> None:
+        """The generator the graph path samples with: the device's default one (CUDA graph replays read its
+        seed and advance its offset), seeded per request."""
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
 
     def _spec_step(self, anchor: torch.Tensor, pos: int, sp: SamplingParams, gen) -> Verdict:
         """draft -> verify -> accept -> commit -> extend, for the anchor at ``pos``."""

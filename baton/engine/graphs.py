@@ -6,7 +6,14 @@ and DSpark / DFlash blocks (DSpark verifies the whole block here: the prefix rul
 Every step-varying value is read from the relay on the device: positions are ``pos + arange``, attention
 covers the whole preallocated cache with a position mask, the accept count indexes the staged KDA state,
 the extend rows and the draft seed. The host therefore never needs a value a step produces to launch the
-next one. Greedy requests run here; sampled requests use the eager path (same stages, host-side RNG).
+next one.
+
+Sampled requests (temperature > 0) run here too, on a second set of graphs captured at their first use:
+the decode samples from ``logits_to_probs_t`` (the request's temperature / top-k / top-p / min-p in relay
+tensors) with the default generator, which the engine seeds per request (graph replays advance its Philox
+offset, so a seed repeats a request exactly); a NEXTN chain still drafts by argmax and the verify is the
+exact rejection rule with a one-hot q (lossless: ``spec.verify.rejection_verify``). DSpark / DFlash sampled
+requests stay on the eager path (``can_sample``).
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ import logging
 import torch
 
 from baton.layers.context import ForwardContext
-from baton.spec.verify import greedy_verify_tokens, verdict_from
+from baton.ops.sampling import logits_to_probs_t, sample_from_probs
+from baton.spec.verify import greedy_verify_tokens, rejection_verify, verdict_from
 from baton.types import ForwardMode
 
 log = logging.getLogger(__name__)
@@ -42,13 +50,28 @@ class CudaGraphs:
         if self.spec and engine.server_args.spec.simulate_accept_len is not None:
             self.sim_table = engine.simulated_accept_table(self.drafter.num_steps)
         bodies = [self._draft, self._verify, self._extend] if self.spec else [self._decode]
-        self.replays = bodies
-        if capture:
-            self.pool = torch.cuda.graph_pool_handle()
-            with torch.inference_mode():
-                self.replays = [self._capture(body).replay for body in bodies]
-            self.relay.pos.zero_()
-            torch.cuda.synchronize(device)
+        self.capture = capture
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.replays = self._build(bodies)
+        self._sampled_replays = None  # captured on the first sampled request
+        # NEXTN chains only: DSpark's verify takes a host decision (the prefix rule) and drafts whole blocks
+        self.can_sample = not self.spec or type(self.drafter).__name__ == "NextNDrafter"
+
+    def _build(self, bodies) -> list:
+        if not self.capture:
+            return list(bodies)
+        with torch.inference_mode():
+            replays = [self._capture(body).replay for body in bodies]
+        self.relay.pos.zero_()
+        torch.cuda.synchronize(self.engine.device)
+        return replays
+
+    def sampled_replays(self) -> list:
+        """The sampled program's graphs (captured now if this is the first sampled request)."""
+        if self._sampled_replays is None:
+            bodies = [self._draft, self._verify_sampled, self._extend] if self.spec else [self._decode_sampled]
+            self._sampled_replays = self._build(bodies)
+        return self._sampled_replays
 
     # ---- the captured bodies ----
 
@@ -63,10 +86,23 @@ class CudaGraphs:
         r.publish(token, self.one)
         r.pos.add_(1)
 
+    def _probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        r = self.relay
+        return logits_to_probs_t(self.model.compute_logits(hidden), r.temperature, r.top_k, r.top_p, r.min_p)
+
+    def _decode_sampled(self) -> None:
+        r = self.relay
+        ctx = self._ctx(ForwardMode.DECODE, r.pos + self.arange[:1], self.cache)
+        token = sample_from_probs(self._probs(self.model(r.anchor, ctx)), None)
+        r.anchor.copy_(token)
+        r.publish(token, self.one)
+        r.pos.add_(1)
+
     def _draft(self) -> None:
         self.drafter.graph_draft(self.relay, self.arange)
 
-    def _verify(self) -> None:
+    def _verify_forward(self) -> torch.Tensor:
+        """The target over [anchor, drafts] at pos .. pos + k; hidden states (and tapped features) to the relay."""
         r = self.relay
         ids = torch.cat([r.anchor, r.draft_tokens])
         ctx = ForwardContext(ForwardMode.VERIFY, r.pos + self.arange, self.cache, kv_len=None,
@@ -75,12 +111,35 @@ class CudaGraphs:
         r.verify_hidden.copy_(hidden)
         if r.verify_features is not None:
             r.verify_features.copy_(self.drafter.features(ctx.captured))
-        predict = self.model.greedy_tokens(hidden)  # [k+1]: no full logits gathered under TP
+        return hidden
+
+    def _verify(self) -> None:
+        r = self.relay
+        predict = self.model.greedy_tokens(self._verify_forward())  # [k+1]: no full logits gathered under TP
         if self.sim_table is None:
             verdict = greedy_verify_tokens(r.draft_tokens, predict)
         else:
-            a = self.sim_table.index_select(0, torch.remainder(r.step, self.sim_table.shape[0]))
+            a = self._simulated_accept()
             verdict = verdict_from(r.draft_tokens, a, predict.index_select(0, a)[0])
+        self._commit(verdict)
+
+    def _verify_sampled(self) -> None:
+        """The sampled verify: target probabilities of the k + 1 rows, the rejection rule against argmax drafts
+        (q one-hot), the correction or bonus drawn from the residual (the default generator)."""
+        r = self.relay
+        probs = self._probs(self._verify_forward())  # [k+1, V]
+        if self.sim_table is None:
+            verdict = rejection_verify(r.draft_tokens, None, probs, None)
+        else:
+            a = self._simulated_accept()
+            verdict = verdict_from(r.draft_tokens, a, sample_from_probs(probs.index_select(0, a), None)[0])
+        self._commit(verdict)
+
+    def _simulated_accept(self) -> torch.Tensor:
+        return self.sim_table.index_select(0, torch.remainder(self.relay.step, self.sim_table.shape[0]))
+
+    def _commit(self, verdict) -> None:
+        r = self.relay
         self.cache.commit(verdict.num_accepted)
         r.extend_pos.copy_(r.pos)
         r.num_accepted.copy_(verdict.num_accepted.reshape(1))
@@ -114,8 +173,8 @@ class CudaGraphs:
         if self.spec:
             self.drafter.graph_start(self.relay)
 
-    def step(self, host_step: int) -> None:
+    def step(self, host_step: int, sampled: bool = False) -> None:
         """Enqueue one decode step and the copy of its committed tokens; returns without waiting."""
-        for replay in self.replays:
+        for replay in self.sampled_replays() if sampled else self.replays:
             replay()
         self.relay.enqueue_copy(host_step)

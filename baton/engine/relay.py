@@ -32,6 +32,11 @@ class Relay:
         self.verify_hidden = torch.zeros(t, hidden_size, dtype=dtype, device=device)
         # Tapped target features of the verify rows, in the drafter's order (DSpark / DFlash).
         self.verify_features = torch.zeros(t, feature_dim, dtype=dtype, device=device) if feature_dim else None
+        # A sampled request's settings (logits_to_probs_t), set by ``set_sampling`` before its first step.
+        self.temperature = torch.ones(1, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(1, dtype=torch.float32, device=device)
+        self.min_p = torch.zeros(1, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(1, **kw)
         self.ring_tokens = torch.zeros(RING, t, **kw)  # [slot, token]
         self.ring_count = torch.zeros(RING, **kw)  # tokens committed by the step in that slot
         self.on_cuda = device.type == "cuda"  # on CPU (tests of the graph program) copies are synchronous
@@ -47,6 +52,13 @@ class Relay:
         self.anchor.copy_(anchor.reshape(1))
         self.pos.fill_(pos)
         self.step.zero_()
+
+    def set_sampling(self, temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+        """A sampled request's settings into the static tensors its graphs read (copies, no sync)."""
+        self.temperature.fill_(temperature)
+        self.top_k.fill_(top_k if top_k > 0 else 0)
+        self.top_p.fill_(top_p)
+        self.min_p.fill_(min_p)
 
     # ---- inside graphs ----
 

@@ -71,7 +71,9 @@ class NextNDrafter(Drafter):
         return self.head(self.target.embed(next_ids), hidden, ctx)
 
     def graph_start(self, relay) -> None:
-        relay.first_draft.copy_(self._first.reshape(1))
+        """The graph chain drafts by argmax (its verify takes q one-hot, also for sampled requests), so the
+        first draft is the argmax too, even when ``begin`` sampled one for the eager path."""
+        relay.first_draft.copy_(self.target.greedy_tokens(self._hidden).reshape(1))
         relay.draft_hidden.copy_(self._hidden)
 
     def graph_draft(self, relay, arange) -> None:

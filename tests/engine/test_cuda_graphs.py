@@ -53,6 +53,19 @@ def test_decode_loop_has_no_blocking_read(ling_path, monkeypatch):
     assert len(tokens) == 40
     plain = cuda_engine(ling_path, dtype="bfloat16")
     assert len(run(plain, max_new_tokens=40)[0]) == 40
+    # sampled requests run on their own graphs (captured at first use), with no blocking read either
+    assert len(run(engine, max_new_tokens=40, temperature=0.8, top_p=0.9, seed=1)[0]) == 40
+    assert len(run(plain, max_new_tokens=40, temperature=0.8, top_k=20, seed=1)[0]) == 40
+
+
+@pytest.mark.parametrize("spec", [{}, {"algorithm": "NEXTN", "num_steps": 3}])
+def test_sampled_requests_run_on_graphs_and_a_seed_repeats_them(ling_path, spec):
+    engine = cuda_engine(ling_path, **spec)
+    a, _ = run(engine, max_new_tokens=32, temperature=0.8, top_p=0.9, seed=3)
+    b, _ = run(engine, max_new_tokens=32, temperature=0.8, top_p=0.9, seed=3)
+    c, _ = run(engine, max_new_tokens=32, temperature=0.8, top_p=0.9, seed=4)
+    assert engine.graphs._sampled_replays is not None
+    assert a == b and len(a) == 32 and a != c
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
