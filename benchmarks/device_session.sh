@@ -16,6 +16,7 @@
 #                             Ling-3.0-flash bf16 at TP2 (one-shot all-reduce, plain and NEXTN, with the TP census);
 #                             fp8 NEXTN at TP2 if time is left
 #   d  (carry .whl)           TP2 only: the tests, all-reduce latency, bf16 plain / NEXTN and fp8 NEXTN benches
+#   m  (carry .whl)           the fp8 MoE tile sweep (GPU 0) and the linear tune at M=6 (GPU 1)
 #   t  (carry .whl)           tune the linear kernels' configs; the table comes back as nvidia-h200.json
 #
 # .carry0 = {part, index} of `device-parts.sh split <gguf> 48`; .carry1 = {part, index, sha256, gsm8k/}, and
@@ -122,6 +123,13 @@ e)
         --modes nextn --num-requests 1 > "$R/tp2_fp8_nextn.log" 2>&1
     echo "tp2 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_fp8_nextn.log"
   fi ;;
+m)  # the fp8 MoE tiles (issue 9's largest loss at T=1): sweep at T=1 and 6 on GPU 0; the winners go into
+    # FP8_CONFIGS in baton/ops/moe/triton.py; GPU 1 meanwhile: the rest of the linear tune at M=6 (verify shapes)
+  CUDA_VISIBLE_DEVICES=0 timeout ${MOE_S:-400} python3 -m baton.ops.moe.bench --fp8 --sweep --tokens 1 6 \
+      --routes uniform --no-torch --json "$R/moe_fp8_sweep.jsonl" > "$R/moe_fp8_sweep.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout ${TUNE_S:-400} python3 -m baton.ops.linear.bench --tune --m 6 \
+      --json "$R/linear_tune_m6.json" --write-table "$R/nvidia-h200-m6.json" > "$R/linear_tune_m6.log" 2>&1
+  wait ;;
 t)  # tune the decode-shape linear kernels (the census's largest loss): commit the table as
     # baton/ops/linear/tuned/nvidia-h200.json, then rerun the Ling / SmolLM2 benches
   # first the kernels against their floors, with and without PDL (the A/B issue 5 asks for), then the sweep

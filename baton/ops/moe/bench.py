@@ -1,6 +1,6 @@
 """Cold-weight timing of the decode MoE at the Ling-3.0-flash shapes (E=512, d=2560, I=768, top-8, bf16).
 
-``python -m baton.ops.moe.bench [--tokens 1 6 16] [--layers 4] [--sweep] [--json out.jsonl]``
+``python -m baton.ops.moe.bench [--tokens 1 6 16] [--layers 4] [--sweep] [--fp8] [--json out.jsonl]``
 
 Weights: ``--layers`` independent expert sets (6.04 GB each: 512 x 11.8 MB), cycled call after call, so every call
 reads weights that the previous calls (>= 94 MB of distinct experts each) have flushed from the 50 MB L2, as in the
@@ -94,6 +94,10 @@ def _time_eager(calls: Sequence[Callable[[], object]], reps: int = 3) -> float:
 def _tile_variants(mode: str) -> tuple[list, list]:
     from baton.ops.moe.triton import MoETile
 
+    if mode == "fp8":  # BLOCK_K divides the 128-wide scale blocks
+        tiles = [(8, 128, 4, 4), (16, 64, 4, 6), (16, 128, 4, 3), (16, 128, 4, 4), (16, 128, 8, 4), (32, 64, 4, 6),
+                 (32, 128, 4, 3), (32, 128, 4, 4), (64, 128, 4, 3), (64, 128, 8, 3)]
+        return [MoETile(*t) for t in tiles], [MoETile(*t) for t in tiles]
     if mode == "direct":
         up = [MoETile(bn, bk, w, s) for bn, bk, w, s in [(8, 256, 4, 4), (16, 128, 4, 4), (16, 256, 4, 3),
                                                            (16, 256, 4, 4), (16, 512, 8, 3), (32, 256, 4, 3),
@@ -113,7 +117,7 @@ def _tile_variants(mode: str) -> tuple[list, list]:
 
 def bench_moe(tokens: Sequence[int] = (1, 6, 16), layers: int = 4, cycles: int = 2, route_kinds: Sequence[str] = (
         "uniform", "correlated"), modes: Sequence[str] = ("direct", "aligned", "hybrid"), pdl: bool = True,
-        sweep: bool = False, torch_baselines: bool = True, seed: int = 0) -> list[dict]:
+        sweep: bool = False, torch_baselines: bool = True, seed: int = 0, fp8: bool = False) -> list[dict]:
     """Time the decode MoE on CUDA with cold weights; returns one dict per measurement (also printed)."""
     import baton.ops.moe.triton as mt
     from baton.ops.moe.naive import fused_experts, fused_experts_dense_gather, grouped_topk
@@ -126,15 +130,25 @@ def bench_moe(tokens: Sequence[int] = (1, 6, 16), layers: int = 4, cycles: int =
     torch.manual_seed(seed)
     # [layers] x (w13 [E, 2I, d], w2 [E, d, I]) bf16: 6.04 GB per layer
     weights = []
+    scales = []  # fp8: (w13_scale, w2_scale) per layer
     for _ in range(layers):
         w13 = torch.empty(E, 2 * INTER, D, device=dev, dtype=torch.bfloat16).normal_(0, D**-0.5)
         w2 = torch.empty(E, D, INTER, device=dev, dtype=torch.bfloat16).normal_(0, INTER**-0.5)
+        if fp8:
+            from baton.ops.quant import quantize_fp8_block, quantize_fp8_gate_up
+
+            (w13, s13), (w2, s2) = quantize_fp8_gate_up(w13), quantize_fp8_block(w2)
+            scales.append((s13, s2))
         weights.append((w13, w2))
-    print(f"# {layers} layers of experts: {layers * E * EXPERT_BYTES / 1e9:.1f} GB, pdl={pdl and mt.pdl_enabled(dev)}")
+    expert_bytes = EXPERT_BYTES // 2 if fp8 else EXPERT_BYTES
+    print(f"# {layers} layers of experts: {layers * E * expert_bytes / 1e9:.1f} GB{' fp8' if fp8 else ''}, "
+          f"pdl={pdl and mt.pdl_enabled(dev)}")
+    if fp8:  # the direct work list only, and the torch baselines are bf16
+        modes, torch_baselines = ["fp8"], False
     results: list[dict] = []
 
     def record(num_tokens: int, kind: str, distinct: float, method: str, us: float, extra: dict | None = None,
-               bytes_per_expert: int = EXPERT_BYTES):
+               bytes_per_expert: int = expert_bytes):
         gbs = distinct * bytes_per_expert / (us * 1e-6) / 1e9
         row = dict(T=num_tokens, routes=kind, distinct=round(distinct, 1), method=method, us=round(us, 2),
                    gbs=round(gbs, 1), frac_peak=round(gbs / PEAK_GBS, 3), **(extra or {}))
@@ -158,18 +172,24 @@ def bench_moe(tokens: Sequence[int] = (1, 6, 16), layers: int = 4, cycles: int =
             ids = [_routes(num_tokens, kind, gen).to(dev) for _ in range(layers)]
             tw = [torch.rand(num_tokens, TOPK, device=dev) / 4 + 0.1 for _ in range(layers)]
             distinct = sum(len(set(i.flatten().tolist())) for i in ids) / layers
-            per_layer = [(x, *weights[i], ids[i], tw[i]) for i in range(layers)]
+            per_layer = [(x, *weights[i], ids[i], tw[i], *(scales[i] if fp8 else ())) for i in range(layers)]
 
             def calls_for(fn: Callable[..., object], per_layer=per_layer, **kw) -> list[Callable[[], object]]:
                 return [functools.partial(fn, *per_layer[i], **kw) for _ in range(cycles) for i in range(layers)]
 
-            ref = fused_experts(*per_layer[0], 4.0) + shared.float() + res.float()
+            ref_args = per_layer[0][:5]
+            if fp8:  # the reference computes with the dequantised experts
+                from baton.ops.quant import dequantize_fp8_block, dequantize_fp8_gate_up
+
+                (w13_0, w2_0), (s13_0, s2_0) = weights[0], scales[0]
+                ref_args = (x, dequantize_fp8_gate_up(w13_0, s13_0), dequantize_fp8_block(w2_0, s2_0), ids[0], tw[0])
+            ref = fused_experts(*ref_args, 4.0) + shared.float() + res.float()
             for mode in modes:
                 run = functools.partial(_decode, mt, residual=res, shared_out=shared, mode=mode)
                 err = (run(*per_layer[0]).float() - ref).abs().max().item()
                 record(num_tokens, kind, distinct, f"triton-{mode}", _time_graph(calls_for(run)),
                        {"max_err": round(err, 4)})
-                if mode == "direct":
+                if mode == "direct" and not fp8:
                     up = functools.partial(_up_direct, mt, mt.get_config(num_tokens, "direct").up, mt.pdl_enabled(dev))
                     record(num_tokens, kind, distinct, "triton-direct-up", _time_graph(calls_for(up)),
                            bytes_per_expert=2 * INTER * D * 2)  # GB/s against the w13 bytes only
@@ -188,8 +208,12 @@ def _torch_router(grouped_topk, logits: torch.Tensor, bias: torch.Tensor):
     return grouped_topk(torch.sigmoid(logits), bias, TOPK, N_GROUP, TOPK_GROUP, True, 2.5)
 
 
-def _decode(mt, x, w13, w2, ids, tw, **kw):
-    return mt.fused_experts_decode(x, w13, w2, ids, tw, 4.0, **kw)
+def _decode(mt, x, w13, w2, ids, tw, w13_scale=None, w2_scale=None, *, mode, **kw):
+    """One decode MoE call; mode "fp8" is the direct work list over fp8 experts (their scales passed along)."""
+    if mode == "fp8":
+        return mt.fused_experts_decode(x, w13, w2, ids, tw, 4.0, mode="direct", w13_scale=w13_scale,
+                                       w2_scale=w2_scale, **kw)
+    return mt.fused_experts_decode(x, w13, w2, ids, tw, 4.0, mode=mode, **kw)
 
 
 def _up_direct(mt, tile, pdl: bool, x, w13, w2, ids, tw):
@@ -198,10 +222,10 @@ def _up_direct(mt, tile, pdl: bool, x, w13, w2, ids, tw):
 
 def _sweep(mt, mode: str, num_tokens: int, calls_for, run) -> tuple[float, object]:
     """Coordinate descent: best up tile with the default down tile, then the best down tile."""
-    base = mt.get_config(num_tokens, "direct" if mode == "direct" else "aligned")
+    base = mt.get_config(num_tokens, mode if mode in ("direct", "fp8") else "aligned")
     if mode == "hybrid":
         base = dataclasses.replace(base, down=mt.get_config(num_tokens, "direct").down)
-    up_tiles, down_tiles = _tile_variants("direct" if mode == "direct" else "aligned")
+    up_tiles, down_tiles = _tile_variants(mode if mode in ("direct", "fp8") else "aligned")
     if mode == "hybrid":
         down_tiles = _tile_variants("direct")[1]
     best_us, best_cfg = float("inf"), base
@@ -228,10 +252,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--no-pdl", action="store_true")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
+    ap.add_argument("--fp8", action="store_true",
+                    help="fp8 e4m3 experts with 128 x 128 block scales (the direct work list; 3.0 GB a layer)")
     ap.add_argument("--json", default=None, help="write one JSON line per measurement")
     args = ap.parse_args(argv)
     rows = bench_moe(args.tokens, args.layers, args.cycles, args.routes, args.modes, not args.no_pdl, args.sweep,
-                     not args.no_torch)
+                     not args.no_torch, fp8=args.fp8)
     if args.json:
         with open(args.json, "w") as f:
             for row in rows:

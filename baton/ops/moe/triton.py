@@ -143,13 +143,17 @@ ALIGNED_CONFIGS: dict[int, MoEConfig] = {
 
 
 # fp8 experts (direct path): BLOCK_K must divide the 128-wide scale blocks; fp8 rows are half the bytes, so the same
-# bytes per program take twice the rows. Untuned starting point.
+# bytes per program take twice the rows. Untuned starting point: the 42-layer model with it ran its T=1 MoE at
+# 0.69 TB/s (H200, 2026-11-30); `python -m baton.ops.moe.bench --fp8 --sweep` measures the tiles, and its winners
+# go here, keyed by T as DIRECT_CONFIGS.
 FP8_BLOCK = 128
 FP8_CONFIG = MoEConfig(up=MoETile(32, 128, 4, 4), down=MoETile(32, 128, 4, 4))
+FP8_CONFIGS: dict[int, MoEConfig] = {16: FP8_CONFIG}
 
 
 def get_config(num_tokens: int, mode: str) -> MoEConfig:
-    table = DIRECT_CONFIGS if mode == "direct" else ALIGNED_CONFIGS
+    """The tiles for ``num_tokens`` in ``mode``: "direct", "aligned" (also hybrid's up), or "fp8" (direct)."""
+    table = {"direct": DIRECT_CONFIGS, "fp8": FP8_CONFIGS}.get(mode, ALIGNED_CONFIGS)
     for key in sorted(table):
         if num_tokens <= key:
             return table[key]
@@ -694,7 +698,7 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         raise NotImplementedError("fp8 experts run the direct work list (the aligned kernels are bf16 only)")
     if mode not in ("direct", "aligned", "hybrid"):
         raise ValueError(f"unknown MoE mode {mode!r}")
-    cfg = config or (FP8_CONFIG if fp8 else get_config(num_tokens, "direct" if mode == "direct" else "aligned"))
+    cfg = config or get_config(num_tokens, "fp8" if fp8 else "direct" if mode == "direct" else "aligned")
     direct_cfg = cfg if mode != "hybrid" or config is not None else get_config(num_tokens, "direct")
     if out is None:
         out = _empty((num_tokens, hidden), x.dtype, x.device)
