@@ -68,10 +68,11 @@ def load_nextn_head(path: str, target: CausalLM, device, dtype) -> NextNLayer:
 
 
 def load_safetensors_with_prefix(head: NextNLayer, path: str) -> None:
-    from baton.models.loader import iter_safetensors, load_tensors, safetensors_files
+    from baton.models.loader import count_tensors, iter_safetensors, load_tensors, safetensors_files
 
     files = safetensors_files(path)
-    load_tensors(head, iter_safetensors(files), layout=hf_layout(head, _NEXTN_PREFIX), desc="loading draft")
+    load_tensors(head, iter_safetensors(files), total=count_tensors(files), layout=hf_layout(head, _NEXTN_PREFIX),
+                 desc="loading draft")
 
 
 def check_vocab(path: str, vocab_size: int | None, target: CausalLM) -> None:

@@ -34,6 +34,7 @@ from torch import nn
 
 from baton.config import ConfigError, ModelConfig
 from baton.models.loader import (
+    count_tensors,
     hf_layout,
     init_dummy_weights,
     iter_safetensors,
@@ -162,7 +163,8 @@ def markov_rank_from_tensors(path: str) -> int:
 def load_dspark_weights(model: nn.Module, path: str, ignore_heads: bool) -> None:
     """Fill ``model`` from ``path``; a missing or mis-shaped tensor fails with its name and shapes."""
     ignore = HEAD_PREFIXES if ignore_heads else ()
-    load_tensors(model, iter_safetensors(safetensors_files(path)), layout=hf_layout(model, []),
+    files = safetensors_files(path)
+    load_tensors(model, iter_safetensors(files), total=count_tensors(files), layout=hf_layout(model, []),
                  desc="loading draft", ignore_prefixes=ignore)
 
 

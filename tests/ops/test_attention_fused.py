@@ -80,6 +80,20 @@ def test_fused_matches_unfused(nan_partials, dtype, p0, t, splits):
         assert int(fd._counters(q.device, 1 * 2).sum()) == 0
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_fused_with_several_row_tiles(nan_partials, splits):
+    """Group 8 x 12 tokens = 96 rows: two row tiles per kv head (only the first writes the cache), each with its
+    own ticket counter."""
+    q, k, v, kc, vc, pos, inv_freq = _case(90, 12, 16, 2, 32, 160, torch.float32, seed=7)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    want = _reference(q.clone(), k, v, pos, inv_freq, want_kc, want_vc, 0.2)
+    for _ in range(2):
+        got = fd.fused_rope_cache_attention(q, k, v, pos, inv_freq, kc, vc, 0.2, num_splits=splits, block_n=16)
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+    torch.testing.assert_close(kc[:102], want_kc[:102], **TOL[torch.float32])
+    torch.testing.assert_close(vc[:102], want_vc[:102], rtol=0, atol=0)
+
+
 def test_fused_with_a_cos_sin_table_and_default_splits():
     from baton.ops.attention.rope_cache import cos_sin_cache
 

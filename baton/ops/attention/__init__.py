@@ -52,9 +52,10 @@ FUSED_MAX_TOKENS = 16  # fused_decode.MAX_TOKENS (not imported here: that would 
 
 
 def use_fused_decode(q: torch.Tensor, interleaved: bool) -> bool:
-    """Whether ``rope_cache_attention`` takes the one-kernel path for ``q`` [T, H, D]."""
-    return (not interleaved and q.shape[0] <= FUSED_MAX_TOKENS and use_fused_attention()
-            and triton_module("baton.ops.attention.fused_decode", q) is not None)
+    """Whether ``rope_cache_attention`` takes the one-kernel path for ``q`` [T, H, D] (never with autograd on:
+    the kernel has no backward, and draft training runs these layers)."""
+    return (not interleaved and q.shape[0] <= FUSED_MAX_TOKENS and not torch.is_grad_enabled()
+            and use_fused_attention() and triton_module("baton.ops.attention.fused_decode", q) is not None)
 
 
 def rope_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
