@@ -193,7 +193,7 @@ class Engine:
         return anchor, prompt.shape[0]
 
     def _generate_graph(self, req: Request, should_abort: Callable[[], bool]) -> Iterator[StepOutput]:
-        """Decoding over CUDA graphs (greedy; sampled too with NEXTN or no drafter) with host run-ahead: step k+1
+        """Decoding over CUDA graphs (greedy or sampled, see engine/graphs.py) with host run-ahead: step k+1
         is enqueued before step k's tokens are read (from pinned memory, copied on a side stream), so the GPU
         never waits for the host."""
         sp = req.sampling

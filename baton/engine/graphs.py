@@ -11,9 +11,9 @@ next one.
 Sampled requests (temperature > 0) run here too, on a second set of graphs captured at their first use:
 the decode samples from ``logits_to_probs_t`` (the request's temperature / top-k / top-p / min-p in relay
 tensors) with the default generator, which the engine seeds per request (graph replays advance its Philox
-offset, so a seed repeats a request exactly); a NEXTN chain still drafts by argmax and the verify is the
-exact rejection rule with a one-hot q (lossless: ``spec.verify.rejection_verify``). DSpark / DFlash sampled
-requests stay on the eager path (``can_sample``).
+offset, so a seed repeats a request exactly); the drafts are still the argmax ones of the greedy bodies (a
+NEXTN chain, a whole DSpark / DFlash block) and the verify is the exact rejection rule with a one-hot q
+(lossless: ``spec.verify.rejection_verify``).
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ class CudaGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = self._build(bodies)
         self._sampled_replays = None  # captured on the first sampled request
-        # NEXTN chains only: DSpark's verify takes a host decision (the prefix rule) and drafts whole blocks
-        self.can_sample = not self.spec or type(self.drafter).__name__ == "NextNDrafter"
+        # every drafter's graph body drafts by argmax (DSpark / DFlash: the whole block, no prefix rule), which
+        # is what the sampled verify's one-hot q assumes
+        self.can_sample = True
 
     def _build(self, bodies) -> list:
         if not self.capture:

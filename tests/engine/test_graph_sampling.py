@@ -1,7 +1,7 @@
 """Sampled requests on the CUDA-graph program, run uncaptured on CPU (``CudaGraphs(capture=False)``, the same
 step bodies the GPU captures): the tensor-parameter logits processing equals the reference, the graph-safe
-sampler draws from the given distribution, a seed repeats a request exactly, and NEXTN's sampled verify (argmax
-drafts, the rejection rule with a one-hot q) leaves the output distribution that of plain sampling."""
+sampler draws from the given distribution, a seed repeats a request exactly, and the sampled verify of NEXTN and
+DSpark (argmax drafts, the rejection rule with a one-hot q) leaves the output distribution that of plain sampling."""
 
 from __future__ import annotations
 
@@ -46,8 +46,20 @@ def _graph_engine(path: str, **spec) -> Engine:
     return engine
 
 
-@pytest.mark.parametrize("spec", [{}, {"algorithm": "NEXTN", "num_steps": 3}])
-def test_a_seed_repeats_a_sampled_request_on_the_graph_program(ling_path, spec):
+@pytest.fixture(scope="module")
+def dspark_path(ling_path, ckpt_root):
+    from baton.config import load_model_config
+    from baton.spec.dspark_ckpt import write_random_dspark_draft
+
+    draft = str(ckpt_root / "sampling_dspark")
+    write_random_dspark_draft(load_model_config(ling_path), draft, seed=3, block_size=4, markov_rank=16)
+    return draft
+
+
+@pytest.mark.parametrize("spec", [{}, {"algorithm": "NEXTN", "num_steps": 3}, "dspark"])
+def test_a_seed_repeats_a_sampled_request_on_the_graph_program(ling_path, dspark_path, spec):
+    if spec == "dspark":
+        spec = {"algorithm": "DSPARK", "draft_model_path": dspark_path, "num_draft_tokens": 5}
     engine = _graph_engine(ling_path, **spec)
     a, verify = run(engine, max_new_tokens=24, temperature=0.8, top_p=0.95, seed=11)
     b, _ = run(engine, max_new_tokens=24, temperature=0.8, top_p=0.95, seed=11)
@@ -58,15 +70,27 @@ def test_a_seed_repeats_a_sampled_request_on_the_graph_program(ling_path, spec):
     assert engine.graphs._sampled_replays is not None  # the sampled program ran, not the eager path
 
 
-def test_nextn_sampled_on_the_graph_program_keeps_the_plain_distribution(ling_path):
-    """The first three sampled tokens, over many seeds: NEXTN's verify (rejection against argmax drafts) must
-    give the distribution plain sampling gives. top-k 2 keeps 8 outcomes, so 600 seeds resolve it well."""
-    sp = dict(temperature=1.0, top_k=2, max_new_tokens=3)
-    plain, nextn = _graph_engine(ling_path), _graph_engine(ling_path, algorithm="NEXTN", num_steps=2)
+SEEDS = 400
+DIST_SP = dict(temperature=1.0, top_k=2, max_new_tokens=3)  # top-k 2: 8 outcomes of three tokens
 
-    def dist(engine):
-        return Counter(tuple(run(engine, PROMPT[:6], seed=s, **sp)[0]) for s in range(600))
 
-    p, q = dist(plain), dist(nextn)
-    tv = 0.5 * sum(abs(p[x] - q[x]) for x in set(p) | set(q)) / 600
+def _distribution(engine) -> Counter:
+    return Counter(tuple(run(engine, PROMPT[:6], seed=s, **DIST_SP)[0]) for s in range(SEEDS))
+
+
+@pytest.fixture(scope="module")
+def plain_distribution(ling_path) -> Counter:
+    return _distribution(_graph_engine(ling_path))
+
+
+@pytest.mark.parametrize("algorithm", ["NEXTN", "DSPARK"])
+def test_sampled_spec_on_the_graph_program_keeps_the_plain_distribution(ling_path, dspark_path, plain_distribution,
+                                                                        algorithm):
+    """The first three sampled tokens over many seeds: the verify (rejection against argmax drafts) must give the
+    distribution plain sampling gives (total variation under 0.12; a verify that accepts every draft the target
+    allows fails this)."""
+    spec = ({"algorithm": "NEXTN", "num_steps": 2} if algorithm == "NEXTN"
+            else {"algorithm": "DSPARK", "draft_model_path": dspark_path, "num_draft_tokens": 3})
+    p, q = plain_distribution, _distribution(_graph_engine(ling_path, **spec))
+    tv = 0.5 * sum(abs(p[x] - q[x]) for x in set(p) | set(q)) / SEEDS
     assert len(p) >= 4 and tv < 0.12, (tv, p, q)
