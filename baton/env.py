@@ -83,6 +83,12 @@ def use_pdl() -> bool:
     return _get("BATON_PDL", "1") not in ("0", "", "false", "False")
 
 
+def graph_sampling() -> bool:
+    """``BATON_GRAPH_SAMPLING`` (default off until its H200 test has run): sampled requests (temperature > 0) run
+    on CUDA graphs too (engine/graphs.py), not on the eager path."""
+    return _get("BATON_GRAPH_SAMPLING", "0") not in ("0", "", "false", "False")
+
+
 def use_fused_attention() -> bool:
     """``BATON_FUSED_ATTENTION`` (default off until its H200 measurement): decode / verify attention of Llama
     layers in one Triton kernel (RoPE, cache write, split attention and merge; ops/attention/fused_decode.py)

@@ -135,7 +135,7 @@ class Engine:
     def generate(self, req: Request, should_abort: Callable[[], bool] | None = None) -> Iterator[StepOutput]:
         self.validate_request(req)
         with torch.inference_mode():
-            if self.graphs is not None and (req.sampling.is_greedy or self.graphs.can_sample):
+            if self.graphs is not None and (req.sampling.is_greedy or env.graph_sampling()):
                 yield from self._generate_graph(req, should_abort or (lambda: False))
             else:
                 yield from self._generate(req, should_abort or (lambda: False))

@@ -71,9 +71,10 @@ def test_call_all_runs_on_every_rank_and_the_ranks_stay_in_step(ling_path):
     assert got == want
 
 
-def test_ling_tp2_graph_program_equals_tp1(ling_path):
+def test_ling_tp2_graph_program_equals_tp1(ling_path, monkeypatch):
     """Greedy and sampled requests through the graph program (the sampled one draws from each rank's default
-    generator, seeded alike per request)."""
+    generator, seeded alike per request; the spawned ranks inherit BATON_GRAPH_SAMPLING)."""
+    monkeypatch.setenv("BATON_GRAPH_SAMPLING", "1")
     requests = [(PROMPT, {**GREEDY, "max_new_tokens": 27}), (PROMPT[:5], SAMPLED)]
     want, got = _both(ling_path, requests, setup=use_graph_program, algorithm="NEXTN", num_steps=4)
     assert got == want

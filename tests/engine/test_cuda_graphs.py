@@ -54,12 +54,14 @@ def test_decode_loop_has_no_blocking_read(ling_path, monkeypatch):
     plain = cuda_engine(ling_path, dtype="bfloat16")
     assert len(run(plain, max_new_tokens=40)[0]) == 40
     # sampled requests run on their own graphs (captured at first use), with no blocking read either
+    monkeypatch.setenv("BATON_GRAPH_SAMPLING", "1")
     assert len(run(engine, max_new_tokens=40, temperature=0.8, top_p=0.9, seed=1)[0]) == 40
     assert len(run(plain, max_new_tokens=40, temperature=0.8, top_k=20, seed=1)[0]) == 40
 
 
 @pytest.mark.parametrize("spec", [{}, {"algorithm": "NEXTN", "num_steps": 3}])
-def test_sampled_requests_run_on_graphs_and_a_seed_repeats_them(ling_path, spec):
+def test_sampled_requests_run_on_graphs_and_a_seed_repeats_them(ling_path, spec, monkeypatch):
+    monkeypatch.setenv("BATON_GRAPH_SAMPLING", "1")
     engine = cuda_engine(ling_path, **spec)
     a, _ = run(engine, max_new_tokens=32, temperature=0.8, top_p=0.9, seed=3)
     b, _ = run(engine, max_new_tokens=32, temperature=0.8, top_p=0.9, seed=3)

@@ -17,6 +17,11 @@ from baton.ops.sampling import logits_to_probs, logits_to_probs_t, sample_from_p
 from tests.spec.test_spec_core import PROMPT, run
 
 
+@pytest.fixture(autouse=True)
+def graph_sampling(monkeypatch):
+    monkeypatch.setenv("BATON_GRAPH_SAMPLING", "1")
+
+
 def _t(x, dtype=torch.float32):
     return torch.tensor([x], dtype=dtype)
 
@@ -80,7 +85,9 @@ def _distribution(engine) -> Counter:
 
 @pytest.fixture(scope="module")
 def plain_distribution(ling_path) -> Counter:
-    return _distribution(_graph_engine(ling_path))
+    with pytest.MonkeyPatch.context() as mp:  # module scope: the autouse fixture does not reach here
+        mp.setenv("BATON_GRAPH_SAMPLING", "1")
+        return _distribution(_graph_engine(ling_path))
 
 
 @pytest.mark.parametrize("algorithm", ["NEXTN", "DSPARK"])
