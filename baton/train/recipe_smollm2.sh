@@ -18,6 +18,7 @@
 set -euo pipefail
 
 OUT=${1:-runs/smollm2}
+export OUT  # benchmarks/bench_drafts.py writes its report there (benchmarks.common.save)
 GSM8K=${GSM8K:-../shared/data/gsm8k}
 GPUS=${GPUS:-cuda:0}
 G0=${GPUS%%,*}; G1=${GPUS##*,}
@@ -80,6 +81,8 @@ pid_r=$!
 on "$V1" python3 benchmarks/bench_drafts.py --dspark "$OUT/dspark" --data-path "$GSM8K" \
     --num-questions "$REPORT_QUESTIONS" --max-new-tokens "$EVAL_TOKENS" --nextn-steps "" --device "$D" --output-name drafts_gsm8k_dspark > "$OUT/report_dspark.log" 2>&1
 wait $pid_r
+python3 benchmarks/plot_drafts.py "$OUT"/drafts_gsm8k_nextn.json "$OUT"/drafts_gsm8k_dspark.json \
+    --output "$OUT/drafts_gsm8k.png" --title "accept length and TPOT on GSM8K test" || true
 stamp report
 
 # 5. ablations (accept length of each choice, greedy, held-out prompts): Markov rank and draft depth

@@ -91,3 +91,24 @@ def test_speedups_and_table_with_a_failed_config() -> None:
     assert table[3] == "| NEXTN (3,1,4) | 0 | 2.50 | 180.0 | - | 1.80x | 0.500 |"
     assert table[4].startswith("| DSPARK gamma=8 | 0 | error: ConfigError")
     assert table[5] == "| NEXTN (3,1,4) | 0.7 | 2.00 | 150.0 | 6.00 | - | 0.250 |"
+
+
+def test_plot_drafts_merges_the_report_halves(tmp_path: Path) -> None:
+    from benchmarks.plot_drafts import load_rows
+    from benchmarks.plot_drafts import main as plot_main
+
+    plain = {"config": "plain", "algorithm": None, "temperature": 0.0, "accept_length": None, "mean_tpot_ms": 0.5}
+    a = {"rows": [plain, {"config": "NEXTN (3,1,4)", "algorithm": "NEXTN", "temperature": 0.0, "accept_length": 2.9,
+                          "mean_tpot_ms": 0.49}]}
+    b = {"rows": [plain, {"config": "DSPARK gamma=8", "algorithm": "DSPARK", "temperature": 0.0, "error": "boom"},
+                  {"config": "DSPARK gamma=4", "algorithm": "DSPARK", "temperature": 0.0, "accept_length": 2.6,
+                   "mean_tpot_ms": 0.57}]}
+    files = []
+    for name, rec in (("a", a), ("b", b)):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps(rec))
+    rows = load_rows([str(f) for f in files])
+    assert [r["config"] for r in rows] == ["plain", "NEXTN (3,1,4)", "DSPARK gamma=4"]  # one plain, no error rows
+    out = tmp_path / "d.png"
+    plot_main([str(f) for f in files] + ["--output", str(out)])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
