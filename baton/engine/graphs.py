@@ -9,12 +9,12 @@ the extend rows and the draft seed. The host therefore never needs a value a ste
 next one.
 
 Sampled requests (temperature > 0) run here too with ``BATON_GRAPH_SAMPLING=1`` (off by default until its
-H200 test has run), on a second set of graphs captured at their first use:
-the decode samples from ``logits_to_probs_t`` (the request's temperature / top-k / top-p / min-p in relay
-tensors) with the default generator, which the engine seeds per request (graph replays advance its Philox
-offset, so a seed repeats a request exactly); the drafts are still the argmax ones of the greedy bodies (a
-NEXTN chain, a whole DSpark / DFlash block) and the verify is the exact rejection rule with a one-hot q
-(lossless: ``spec.verify.rejection_verify``).
+H200 test has run), on a second set of graphs captured at their first use. The decode samples from
+``logits_to_probs_t`` (the request's temperature / top-k / top-p / min-p in relay tensors) with the default
+generator, which the engine seeds per request (graph replays advance its Philox offset, so a seed repeats a
+request exactly); the drafts are still the argmax ones of the greedy bodies (a NEXTN chain, a whole DSpark /
+DFlash block) and the verify is the exact rejection rule with a one-hot q (lossless:
+``spec.verify.rejection_verify``).
 """
 
 from __future__ import annotations
@@ -78,9 +78,16 @@ class CudaGraphs:
         return ForwardContext(mode, positions, cache, kv_len=None)
 
     def _decode(self) -> None:
+        self._decode_step(self.model.greedy_tokens)
+
+    def _decode_sampled(self) -> None:
+        self._decode_step(lambda hidden: sample_from_probs(self._probs(hidden), None))
+
+    def _decode_step(self, pick) -> None:
+        """One plain decode step: the anchor's forward, the next token by ``pick(hidden)``, the relay updated."""
         r = self.relay
         ctx = self._ctx(ForwardMode.DECODE, r.pos + self.arange[:1], self.cache)
-        token = self.model.greedy_tokens(self.model(r.anchor, ctx))
+        token = pick(self.model(r.anchor, ctx))
         r.anchor.copy_(token)
         r.publish(token, self.one)
         r.pos.add_(1)
@@ -88,14 +95,6 @@ class CudaGraphs:
     def _probs(self, hidden: torch.Tensor) -> torch.Tensor:
         r = self.relay
         return logits_to_probs_t(self.model.compute_logits(hidden), r.temperature, r.top_k, r.top_p, r.min_p)
-
-    def _decode_sampled(self) -> None:
-        r = self.relay
-        ctx = self._ctx(ForwardMode.DECODE, r.pos + self.arange[:1], self.cache)
-        token = sample_from_probs(self._probs(self.model(r.anchor, ctx)), None)
-        r.anchor.copy_(token)
-        r.publish(token, self.one)
-        r.pos.add_(1)
 
     def _draft(self) -> None:
         self.drafter.graph_draft(self.relay, self.arange)
