@@ -30,19 +30,19 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from baton.env import triton_interpret
+from baton.ops.attention.rope_cache import rope_cos_sin
 from baton.ops.attention.triton import (
     LOG2E,
     NEG_BIG,
     _store_partial,
+    attend_tile,
     default_blocks,
     default_num_splits,
     default_num_stages,
     dot_options,
     pdl_enabled,
-    tile_dot,
 )
 
 __all__ = ["MAX_TOKENS", "fused_rope_cache_attention"]
@@ -55,21 +55,8 @@ def _angles(freq_ptr, pos, offs_d, HALF: tl.constexpr, USE_TABLE: tl.constexpr, 
             USE_LIBDEVICE: tl.constexpr):
     """cos, sin [R, BLOCK_D] of the rotation pair of each dim (d and d +- HALF share angle d % HALF) at the rows'
     positions ``pos`` [R]."""
-    i = offs_d % HALF
-    ok = offs_d < 2 * HALF
-    if USE_TABLE:
-        row = freq_ptr + pos[:, None].to(tl.int64) * stride_table
-        cos = tl.load(row + i[None, :], mask=ok[None, :], other=1.0).to(tl.float32)
-        sin = tl.load(row + HALF + i[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
-    else:
-        angle = pos[:, None].to(tl.float32) * tl.load(freq_ptr + i, mask=ok, other=0.0).to(tl.float32)[None, :]
-        if USE_LIBDEVICE:
-            cos = libdevice.cos(angle)
-            sin = libdevice.sin(angle)
-        else:
-            cos = tl.cos(angle)
-            sin = tl.sin(angle)
-    return cos, sin
+    return rope_cos_sin(freq_ptr, pos[:, None], (offs_d % HALF)[None, :], (offs_d < 2 * HALF)[None, :], HALF,
+                        USE_TABLE, stride_table, USE_LIBDEVICE)
 
 
 @triton.jit
@@ -140,16 +127,10 @@ def fused_decode_kernel(
         key_ok = keys < p0  # every query sits at or past p0: all cached keys are visible
         k = tl.load(k_base + keys[:, None].to(tl.int64) * stride_kc_s + offs_d[None, :],
                     mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-        s = tile_dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale
-        s = tl.where(key_ok[None, :] & row_ok[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + keys[:, None].to(tl.int64) * stride_vc_s + offs_v[None, :],
                     mask=key_ok[:, None] & v_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, PRECISION, UPCAST)
-        m_i = m_new
+        visible = key_ok[None, :] & row_ok[:, None]
+        m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION, UPCAST)
 
     if split == 0:  # the T new keys: rotated here, attended as one more tile, written to the cache (tile 0)
         u = tl.arange(0, BLOCK_T)
@@ -163,15 +144,8 @@ def fused_decode_kernel(
             dst = (p0 + u)[:, None].to(tl.int64)
             tl.store(k_base + dst * stride_kc_s + offs_d[None, :], k_new, mask=u_ok[:, None] & d_ok[None, :])
             tl.store(v_base + dst * stride_vc_s + offs_v[None, :], v_new, mask=u_ok[:, None] & v_ok[None, :])
-        s = tile_dot(q, tl.trans(k_new), PRECISION, UPCAST) * qk_scale  # [BLOCK_M, BLOCK_T]
-        visible = (u[None, :] <= t[:, None]) & u_ok[None, :] & row_ok[:, None]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tile_dot(p.to(v_new.dtype), v_new, PRECISION, UPCAST)
-        m_i = m_new
+        visible = (u[None, :] <= t[:, None]) & u_ok[None, :] & row_ok[:, None]  # [BLOCK_M, BLOCK_T]
+        m_i, l_i, acc = attend_tile(q, k_new, v_new, visible, m_i, l_i, acc, qk_scale, PRECISION, UPCAST)
 
     o_rows = t[:, None].to(tl.int64) * stride_o_t + head[:, None] * stride_o_h + offs_v[None, :]
     if SPLIT_KV:

@@ -28,7 +28,28 @@ from triton.language.extra import libdevice
 from baton.env import triton_interpret
 from baton.ops.attention.triton import pdl_enabled
 
-__all__ = ["cos_sin_cache", "rope_and_cache_write", "rope_and_cache_write_fwd"]
+__all__ = ["cos_sin_cache", "rope_and_cache_write", "rope_and_cache_write_fwd", "rope_cos_sin"]
+
+
+@triton.jit
+def rope_cos_sin(freq_ptr, pos, i, ok, HALF: tl.constexpr, USE_TABLE: tl.constexpr, stride_table,
+                 USE_LIBDEVICE: tl.constexpr):
+    """cos, sin (fp32) of rotation pair ``i`` at position ``pos``, broadcast together (a scalar position and
+    [BLOCK] pairs, or [R, 1] positions and [1, BLOCK] pairs); ``ok`` masks ``i``. From a ``cos_sin_cache``
+    table row, or angle = pos * inv_freq[i] through libdevice (CUDA) / tl (interpreter) cos and sin."""
+    if USE_TABLE:
+        row = freq_ptr + pos.to(tl.int64) * stride_table
+        cos = tl.load(row + i, mask=ok, other=0.0).to(tl.float32)
+        sin = tl.load(row + HALF + i, mask=ok, other=0.0).to(tl.float32)
+    else:
+        angle = pos.to(tl.float32) * tl.load(freq_ptr + i, mask=ok, other=0.0).to(tl.float32)
+        if USE_LIBDEVICE:
+            cos = libdevice.cos(angle)
+            sin = libdevice.sin(angle)
+        else:
+            cos = tl.cos(angle)
+            sin = tl.sin(angle)
+    return cos, sin
 
 
 @triton.jit
@@ -86,18 +107,7 @@ def rope_and_cache_write_kernel(
     pos = tl.load(pos_ptr + t)
     offs_i = tl.arange(0, BLOCK_HALF)
     i_ok = offs_i < HALF
-    if USE_TABLE:
-        row = freq_ptr + pos.to(tl.int64) * stride_table
-        cos = tl.load(row + offs_i, mask=i_ok, other=0.0).to(tl.float32)  # [BLOCK_HALF]
-        sin = tl.load(row + HALF + offs_i, mask=i_ok, other=0.0).to(tl.float32)
-    else:
-        angle = pos.to(tl.float32) * tl.load(freq_ptr + offs_i, mask=i_ok, other=0.0).to(tl.float32)
-        if USE_LIBDEVICE:
-            cos = libdevice.cos(angle)
-            sin = libdevice.sin(angle)
-        else:
-            cos = tl.cos(angle)
-            sin = tl.sin(angle)
+    cos, sin = rope_cos_sin(freq_ptr, pos, offs_i, i_ok, HALF, USE_TABLE, stride_table, USE_LIBDEVICE)  # [BLOCK_HALF]
 
     if HAS_Q:  # in place
         q_t = q_ptr + t.to(tl.int64) * stride_q_t

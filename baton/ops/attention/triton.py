@@ -36,6 +36,7 @@ import triton.language as tl
 from baton.env import triton_interpret, use_pdl
 
 __all__ = [
+    "attend_tile",
     "attention",
     "attention_fwd",
     "attention_reduce_fwd",
@@ -85,6 +86,21 @@ def tile_dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     else:
         out = tl.dot(a, b, input_precision=PRECISION)
     return out
+
+
+@triton.jit
+def attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One step of the online softmax: q [M, D] against a key tile k [N, D] / v [N, Dv] where ``visible``
+    [M, N]; scores in base 2 (``qk_scale`` folds log2(e)), fp32 running max ``m_i``, sum ``l_i`` and output
+    ``acc`` [M, Dv]. Returns the updated (m_i, l_i, acc)."""
+    s = tile_dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [M, N]
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, PRECISION, UPCAST)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -164,17 +180,10 @@ def attention_kernel(
         key_ok = keys < tile_len
         k = tl.load(k_base + keys[:, None].to(tl.int64) * stride_k_s + offs_d[None, :],
                     mask=key_ok[:, None] & d_ok[None, :], other=0.0)  # [N, D]
-        s = tile_dot(q, tl.trans(k), PRECISION, UPCAST) * qk_scale  # [M, N]
-        visible = (keys[None, :] <= row_pos[:, None]) & key_ok[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + keys[:, None].to(tl.int64) * stride_v_s + offs_v[None, :],
                     mask=key_ok[:, None] & v_ok[None, :], other=0.0)  # [N, Dv]
-        acc = acc * alpha[:, None] + tile_dot(p.to(v.dtype), v, PRECISION, UPCAST)
-        m_i = m_new
+        visible = (keys[None, :] <= row_pos[:, None]) & key_ok[None, :]
+        m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION, UPCAST)
 
     if SPLIT_KV:
         _store_partial(part_o_ptr, part_lse_ptr, acc, m_i, l_i, t * num_heads + head, row_ok, start < end, split,
