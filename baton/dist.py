@@ -164,29 +164,27 @@ def destroy_tp(timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
     if not (st.initialized and tdist.is_initialized()):
         return
 
-    def teardown() -> None:
-        if st.device.type == "cuda":
-            torch.cuda.synchronize(st.device)
-        with contextlib.suppress(Exception):  # a peer that already left must not block this one
-            tdist.barrier(group=st.cpu_group)
-        if st.backend == "nccl":
-            _LEFT_BEHIND.append((st.group, st.cpu_group, st.fast_all_reduce))
-        else:
-            tdist.destroy_process_group()
-
+    group = (st.group, st.cpu_group, st.fast_all_reduce)
     errors: list[BaseException] = []
 
-    def guarded() -> None:
+    def teardown() -> None:
         try:
-            teardown()
+            if st.device.type == "cuda":
+                torch.cuda.synchronize(st.device)
+            with contextlib.suppress(Exception):  # a peer that already left must not block this one
+                tdist.barrier(group=st.cpu_group)
+            if st.backend == "nccl":
+                _LEFT_BEHIND.append(group)
+            else:
+                tdist.destroy_process_group()
         except BaseException as e:  # reported by the caller's thread
             errors.append(e)
 
-    thread = threading.Thread(target=guarded, name="baton-tp-teardown", daemon=True)
+    thread = threading.Thread(target=teardown, name="baton-tp-teardown", daemon=True)
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        _LEFT_BEHIND.append((st.group, st.cpu_group, st.fast_all_reduce))
+        _LEFT_BEHIND.append(group)
         frame = sys._current_frames().get(thread.ident)
         where = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)"
         log.warning("rank %d: tensor-parallel teardown did not finish in %.0f s; leaving the group behind. "
@@ -409,6 +407,7 @@ class _Supervisor(threading.Thread):
     exits the process (``hard_exit``) or lets ``wait_result`` raise."""
 
     POLL_S = 0.1
+    STRAGGLE_S = TEARDOWN_TIMEOUT_S + 10.0  # after rank 0 finished: the others' bounded teardown and a margin
 
     def __init__(self, procs: dict[int, Any], shared: _Shared, world_size: int, timeout_s: float,
                  hard_exit: bool) -> None:
@@ -537,17 +536,20 @@ class _Supervisor(threading.Thread):
                 p.kill()
                 p.join(1.0)
 
+    def _stop_stragglers(self) -> None:
+        """Rank 0's work is done but others have not left: stop watching (so their exit is no failure), kill."""
+        log.warning("tensor-parallel ranks did not exit after rank 0 finished; stopping them\n%s", self.status())
+        self._done.set()
+        self._stop_children()
+
     def wait_children(self) -> None:
         """Rank 0 finished: wait for the others to leave (they follow rank 0's stop, each within its bounded
         teardown), then stop watching; a rank still there after ``TEARDOWN_TIMEOUT_S`` and a margin is killed
         with a warning (rank 0's result stands)."""
-        deadline = time.monotonic() + TEARDOWN_TIMEOUT_S + 10.0
+        deadline = time.monotonic() + self.STRAGGLE_S
         while any(p.exitcode is None for p in self.procs.values()) and self.error is None:
             if time.monotonic() > deadline:
-                log.warning("tensor-parallel ranks did not exit after rank 0 finished; stopping them\n%s",
-                            self.status())
-                self._done.set()
-                self._stop_children()
+                self._stop_stragglers()
                 break
             time.sleep(self.POLL_S)
         self._done.set()
@@ -561,14 +563,11 @@ class _Supervisor(threading.Thread):
         straggle_deadline = None
         while self.error is None and not all(p.exitcode == 0 for p in self.procs.values()):
             if straggle_deadline is None and self.procs[0].exitcode == 0:
-                straggle_deadline = time.monotonic() + TEARDOWN_TIMEOUT_S + 10.0
+                straggle_deadline = time.monotonic() + self.STRAGGLE_S
             if straggle_deadline is not None and time.monotonic() > straggle_deadline:
                 self._drain()
                 if self.has_result:
-                    log.warning("tensor-parallel ranks did not exit after rank 0 finished; stopping them\n%s",
-                                self.status())
-                    self._done.set()
-                    self._stop_children()
+                    self._stop_stragglers()
                     break
             time.sleep(self.POLL_S)
         self._done.set()
