@@ -124,8 +124,8 @@ def fast_fp32_matmul(device: torch.device):
     """TF32 for the fp32 matmuls of a training run on CUDA (the frozen lm_head's fp32 logits over a 49k-152k
     vocabulary dominate a step's FLOPs; TF32 runs them on the tensor cores at ~1e-3 relative error, the same
     order as the bf16 lm_head the served target uses). No effect on CPU; the previous setting is restored.
-    ``BATON_TRAIN_TF32=0`` keeps full fp32 (an A/B switch: TF32 is one of the two suspects of the DSpark step
-    slow-down measured on 2026-11-29, see ``masked_attention``)."""
+    ``BATON_TRAIN_TF32=0`` keeps full fp32 (an A/B switch; on the H200 a DSpark step took 0.312 s with TF32 and
+    0.377 s without, 2026-11-30)."""
     if device.type != "cuda" or not env.train_tf32():
         yield
         return
@@ -150,9 +150,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     leading batch dim on q, k, v (the mask shared by the batch). Differentiable (SDPA); every query row must
     see at least one key.
 
-    The unbatched form calls SDPA with 3-d tensors, as before batching existed: the DSpark step ran at 0.72 s
-    (16 sequences, H200) that way, and at 2.1 s once it went through the 4-d call (2026-11-29; not yet
-    separated from the other changes of that commit, so the 3-d call is kept until it is)."""
+    The unbatched form calls SDPA with 3-d tensors: through the 4-d call (which picks the memory-efficient
+    kernel for a boolean mask) a DSpark step took 2.1 s on the H200 (2026-11-29), with the 3-d call 0.31 s
+    (2026-11-30)."""
     h = q.dim() - 2  # the heads' dim: 1 unbatched (SDPA then gets 3-d tensors, as it always did), 2 batched
     rep = q.shape[h] // k.shape[h]
     if rep > 1:
@@ -189,7 +189,7 @@ class TrainOptions:
     max_seq_len: int = 2048
     prefetch: int = 2  # batches of target features computed ahead
     save_dtype: str = "bfloat16"  # dtype of the saved draft's floating tensors (training runs in fp32)
-    time_budget: float | None = None  # seconds of optimiser steps: the step count is cut to fit (see ``replan``)
+    time_budget: float | None = None  # seconds of optimiser steps: the step count is fitted to it (``replan``)
 
 
 def lr_at(step: int, total: int, opts: TrainOptions) -> float:
@@ -274,9 +274,10 @@ def train_loop(task: Task, feature_batches: Iterator[list[tuple[Sample, Any]]], 
     weighted loss sums are divided by the batch's total weight, so the loss is a weighted mean over every
     trained position of the batch. Logs, evaluates, and returns the history.
 
-    With ``opts.time_budget`` the run is cut to the steps that fit the budget: at each step of ``REPLAN_AT``
-    the measured step time sets a new, smaller ``total_steps`` (the learning-rate schedule follows it, so the
-    cosine still reaches its floor), and a run over budget stops at once. Evaluations are not counted."""
+    With ``opts.time_budget`` the run is fitted to the budget: at each step of ``REPLAN_AT`` (and at the end of
+    a run an estimate cut short) the step time since the previous estimate sets ``total_steps``, lower or
+    higher but never above the planned count (the learning-rate schedule follows it, so the cosine still
+    reaches its floor), and a run over budget stops at once. Evaluations are not counted."""
     torch.manual_seed(opts.seed)
     gen = torch.Generator().manual_seed(opts.seed)
     optimizer = make_optimizer(task.module, opts)
