@@ -204,7 +204,7 @@ class Engine:
         sampled = not sp.is_greedy
         if sampled:  # the sampled graphs (captured at first use, before this request's state exists) read the
             self.graphs.sampled_replays()  # default generator: seeded here, so a seed repeats the request
-            self._seed_default_generator(sp.seed if sp.seed is not None else int(time.time_ns() % (2**63)))
+            self._seed_default_generator(_request_seed(sp))
             self.graphs.relay.set_sampling(sp.temperature, sp.top_k, sp.top_p, sp.min_p)
         anchor, pos = self._prefill(req, None)
         self.graphs.start(anchor, pos)
@@ -299,8 +299,7 @@ class Engine:
     def _generator(self, sp: SamplingParams) -> torch.Generator | None:
         if sp.is_greedy:
             return None
-        seed = sp.seed if sp.seed is not None else int(time.time_ns() % (2**63))
-        return torch.Generator(device=self.device).manual_seed(seed)
+        return torch.Generator(device=self.device).manual_seed(_request_seed(sp))
 
     def _emit(self, out: OutputTracker, token_ids: list[int], num_verify: int, simulated: bool) -> StepOutput:
         e = out.add(token_ids)
@@ -317,6 +316,11 @@ class Engine:
         if limit > max_pos and not isinstance(cfg, LingConfig):
             log.warning("--context-length %d exceeds the model's max_position_embeddings %d", limit, max_pos)
         return limit
+
+
+def _request_seed(sp: SamplingParams) -> int:
+    """A sampled request's seed: its own, or one drawn from the clock."""
+    return sp.seed if sp.seed is not None else int(time.time_ns() % (2**63))
 
 
 @contextlib.contextmanager

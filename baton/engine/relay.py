@@ -56,7 +56,7 @@ class Relay:
     def set_sampling(self, temperature: float, top_k: int, top_p: float, min_p: float) -> None:
         """A sampled request's settings into the static tensors its graphs read (copies, no sync)."""
         self.temperature.fill_(temperature)
-        self.top_k.fill_(top_k if top_k > 0 else 0)
+        self.top_k.fill_(top_k)  # <= 0: off
         self.top_p.fill_(top_p)
         self.min_p.fill_(min_p)
 
