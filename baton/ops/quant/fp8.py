@@ -75,7 +75,8 @@ def fake_quantize_mlp_fp8(model: torch.nn.Module, block: int = BLOCK) -> int:
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, MLP):
-                for w in (*m.gate_up_proj.weight.data.chunk(2), m.down_proj.weight.data):
-                    w.copy_(dequantize_fp8_block(*quantize_fp8_block(w, block), w.dtype, block))
-                    changed += 1
+                w13, w2 = m.gate_up_proj.weight.data, m.down_proj.weight.data
+                w13.copy_(dequantize_fp8_gate_up(*quantize_fp8_gate_up(w13, block), w13.dtype, block))
+                w2.copy_(dequantize_fp8_block(*quantize_fp8_block(w2, block), w2.dtype, block))
+                changed += 3  # gate, up, down
     return changed
