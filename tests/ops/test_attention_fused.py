@@ -114,7 +114,7 @@ def test_dispatcher_takes_the_fused_kernel_only_when_allowed(monkeypatch):
     want = _reference(q.clone(), k, v, pos, inv_freq, want_kc, want_vc, 0.25)
     got = attention_ops.rope_cache_attention(q.clone(), k, v, pos, inv_freq, kc, vc, 0.25, kv_len=11)
     torch.testing.assert_close(got, want, **TOL[torch.float32])
-    assert attention_ops.use_fused_decode(q.cpu(), interleaved=False) is False
+    assert attention_ops.use_fused_decode(q.cpu(), inv_freq.cpu()) is False
 
 
 @pytest.mark.gpu

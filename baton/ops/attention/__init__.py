@@ -51,11 +51,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: to
 FUSED_MAX_TOKENS = 16  # fused_decode.MAX_TOKENS (not imported here: that would import triton)
 
 
-def use_fused_decode(q: torch.Tensor, interleaved: bool) -> bool:
-    """Whether ``rope_cache_attention`` takes the one-kernel path for ``q`` [T, H, D] (never with autograd on:
-    the kernel has no backward, and draft training runs these layers)."""
-    return (not interleaved and q.shape[0] <= FUSED_MAX_TOKENS and not torch.is_grad_enabled()
-            and use_fused_attention() and triton_module("baton.ops.attention.fused_decode", q) is not None)
+def use_fused_decode(q: torch.Tensor, cos_sin_or_inv_freq: torch.Tensor) -> bool:
+    """Whether ``rope_cache_attention`` takes the one-kernel path for ``q`` [T, H, D]."""
+    return _fused_decode(q, cos_sin_or_inv_freq) is not None
+
+
+def _fused_decode(q: torch.Tensor, table: torch.Tensor) -> ModuleType | None:
+    """The fused-decode module when ``BATON_FUSED_ATTENTION`` is on and the call fits it: CUDA, at most
+    ``FUSED_MAX_TOKENS`` tokens, RoPE over the full head dim, autograd off (the kernel has no backward, and
+    draft training runs these layers)."""
+    if q.shape[0] > FUSED_MAX_TOKENS or torch.is_grad_enabled() or 2 * _half(table) != q.shape[-1]:
+        return None
+    return triton_module("baton.ops.attention.fused_decode", q) if use_fused_attention() else None
 
 
 def rope_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
@@ -63,10 +70,10 @@ def rope_cache_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
                          scale: float, kv_len: int | None) -> torch.Tensor:
     """RoPE on q and k, ``k_cache[positions] = RoPE(k)``, ``v_cache[positions] = v``, then causal attention of
     RoPE(q) over the cache's first ``kv_len`` rows: q [T, H, D], k / v [T, Hkv, D], positions [T] contiguous
-    (the next tokens of one sequence), rotate-half RoPE over the full head dim. One kernel on CUDA when
-    ``use_fused_decode`` says so; otherwise ``rope_and_cache_write`` then ``attention``."""
-    if use_fused_decode(q, interleaved=False) and 2 * _half(cos_sin_or_inv_freq) == q.shape[-1]:
-        impl = _import("baton.ops.attention.fused_decode")
+    (the next tokens of one sequence), rotate-half RoPE. One kernel on CUDA when ``use_fused_decode`` says so;
+    otherwise ``rope_and_cache_write`` then ``attention``."""
+    impl = _fused_decode(q, cos_sin_or_inv_freq)
+    if impl is not None:
         return impl.fused_rope_cache_attention(q, k, v, positions, cos_sin_or_inv_freq, k_cache, v_cache, scale)
     q = rope_and_cache_write(q, k, v, positions, cos_sin_or_inv_freq, k_cache, v_cache, interleaved=False)
     return attention(q, k_cache[:kv_len], v_cache[:kv_len], positions, scale)
