@@ -40,6 +40,16 @@ GPU_TESTS="tests/ops/test_linear_triton.py tests/ops/test_attention_triton.py te
 nvidia-smi --query-gpu=index,name,memory.used,memory.total,clocks.sm,clocks.mem --format=csv > "$R/gpu.txt"
 t0=$SECONDS
 py() { PYTHONUNBUFFERED=1 python3 "$@"; }
+# The TP2 GPU tests (phases w and d). SIGINT first, so pytest prints its failures (an ABRT lost them on
+# 2026-11-29), KILL 20 s later. 420 s: each TP2 graph test compiles fp32 Triton kernels at TP1 and TP2 shapes in
+# fresh processes (one did not finish in 166 s on 2026-11-30: slow compiles or a stall, not separated);
+# --durations tells which. A hang dumps the ranks' Python stacks (PYTHONFAULTHANDLER).
+tp_gpu_tests() {
+  PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=120 BATON_TEST_REPORT=$R/figures.jsonl timeout -s INT -k 20 420 \
+      python3 -m pytest -q -m gpu tests/dist/test_tp_gpu.py -p no:cacheprovider -rfEs --durations=0 \
+      > "$R/tp_gpu_tests.log" 2>&1
+  echo "tp tests rc=$? at $((SECONDS - t0)) s" >> "$R/tp_gpu_tests.log"
+}
 case $phase in
 p)
   ( export CUDA_VISIBLE_DEVICES=0
@@ -88,14 +98,7 @@ PY
   fi
   cp /tmp/train/recipe.log "$R/" ;;
 w)
-  if [ ! -f /tmp/res/w/tp_gpu_tests.log ]; then  # correctness only (training shares the GPUs): once
-    export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=120
-    # 420 s: each TP2 graph test compiles fp32 Triton kernels at TP1 and TP2 shapes in fresh processes (one did
-    # not finish in 166 s on 2026-11-30; slow compiles or a stall, not separated); --durations tells which
-    BATON_TEST_REPORT=$R/figures.jsonl timeout -s INT -k 20 420 python3 -m pytest -q -m gpu \
-        tests/dist/test_tp_gpu.py -p no:cacheprovider -rfEs --durations=0 > "$R/tp_gpu_tests.log" 2>&1
-    echo "tp tests rc=$? at $((SECONDS - t0)) s" >> "$R/tp_gpu_tests.log"
-  fi
+  [ -f /tmp/res/w/tp_gpu_tests.log ] || tp_gpu_tests  # correctness only (training shares the GPUs): once
   end=$((t0 + ${WAIT_S:-540}))  # counted from the phase's start (the tests above included): keep it under 560
   while [ $SECONDS -lt $end ] && ! grep -q "report done" /tmp/train/recipe.log; do sleep 10; done
   cp /tmp/train/recipe.log /tmp/train/*.log "$R/" 2>/dev/null
@@ -141,10 +144,8 @@ t)  # tune the decode-shape linear kernels (the census's largest loss): commit t
   CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -m baton.ops.linear.bench --tune --m 1 6 16 --json "$R/linear_tune.json" \
       --write-table "$R/nvidia-h200.json" > "$R/linear_tune.log" 2>&1 ;;
 d)
+  tp_gpu_tests
   export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=120  # a hang dumps rank 0's Python stacks (timeout -s ABRT)
-  # SIGINT first: pytest then prints the failures so far (an ABRT loses them, as on 2026-11-29); KILL 20 s later
-  BATON_TEST_REPORT=$R/figures.jsonl timeout -s INT -k 20 120 python3 -m pytest -q -m gpu tests/dist/test_tp_gpu.py \
-      -p no:cacheprovider -rfEs > "$R/tp_gpu_tests.log" 2>&1
   BATON_TP_ALLREDUCE=auto timeout -s ABRT 50 python3 -m baton.ops.allreduce.bench --tp-size 2 \
       --json "$R/allreduce.json" > "$R/allreduce.log" 2>&1
   for m in plain nextn; do
