@@ -54,7 +54,8 @@ def measure(args, prompt: list[int], fused: bool):
     from baton.engine.engine import Engine
 
     os.environ["BATON_FUSED_ATTENTION"] = "1" if fused else "0"
-    engine = Engine(ServerArgs(load_format=args.load_format, device="cuda", dtype="bfloat16",
+    engine = Engine(ServerArgs(model_path=args.model_path, load_format=args.load_format, device="cuda",
+                               dtype="bfloat16",
                                context_length=args.prompt_len + args.new_tokens + 64))
     timed_request(engine, prompt, 32)  # warm
     runs = [timed_request(engine, prompt, args.new_tokens) for _ in range(args.repeats)]
@@ -67,6 +68,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--hf-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model-path", default=None,
+                   help="default: the embedded GGUF; with --load-format dummy, "
+                        "benchmarks/configs/smollm2-135m-instruct times the same shapes without the GGUF")
     p.add_argument("--load-format", default="auto", help="dummy: random weights at the SmolLM2 config")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--fused-attention", choices=["off", "on", "ab"], default="off",

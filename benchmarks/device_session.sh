@@ -130,6 +130,40 @@ e)
         --modes nextn --num-requests 1 > "$R/tp2_fp8_nextn.log" 2>&1
     echo "tp2 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_fp8_nextn.log"
   fi ;;
+a)  # no GGUF needed: SmolLM2's step times on dummy weights at its config (timing does not depend on the values;
+    # speculation at the GSM8K accept lengths, simulated). GPU 0: the new kernels' tests and graph tests, then the
+    # censuses; GPU 1: the linear tune at M=6 for SmolLM2's shapes, then the fp8 MoE tile sweep.
+  SMOL=(--model-path benchmarks/configs/smollm2-135m-instruct --load-format dummy)
+  D=baton/drafts/smollm2-135m-instruct
+  ( export CUDA_VISIBLE_DEVICES=0
+    timeout -s INT -k 10 150 python3 -m pytest -q tests/ops/test_attention_triton.py tests/ops/test_attention_fused.py \
+        -p no:cacheprovider -rfEs --durations=5 > "$R/attention_tests.log" 2>&1
+    echo "attention tests rc=$? at $((SECONDS - t0)) s" >> "$R/attention_tests.log"
+    timeout -s INT -k 10 170 python3 -m pytest -q tests/engine/test_cuda_graphs.py -k "llama_nextn or sampled or no_blocking" \
+        -p no:cacheprovider -rfEs --durations=10 > "$R/graph_tests.log" 2>&1
+    echo "graph tests rc=$? at $((SECONDS - t0)) s" >> "$R/graph_tests.log"
+    for run in none:0 none:1 NEXTN:0 NEXTN:1 DSPARK:1 DSPARK:0; do
+      alg=${run%%:*}; f=${run##*:}
+      case $alg in
+        none) spec=(--speculative-algorithm none) ;;
+        NEXTN) spec=(--speculative-algorithm NEXTN --speculative-draft-model-path $D/nextn --speculative-num-steps 3
+                     --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --speculative-simulate-accept-len 2.97) ;;
+        DSPARK) spec=(--speculative-algorithm DSPARK --speculative-draft-model-path $D/dspark
+                      --speculative-num-draft-tokens 9 --speculative-simulate-accept-len 2.90) ;;
+      esac
+      [ $((SECONDS - t0)) -gt 480 ] && break
+      BATON_FUSED_ATTENTION=$f timeout 50 python3 -m baton census "${SMOL[@]}" "${spec[@]}" --input-len 512 \
+          --num-steps 200 --output-file "$R/census_smollm2_${alg}_fused$f.jsonl" > "$R/census_smollm2_${alg}_fused$f.log" 2>&1
+      echo "census rc=$? at $((SECONDS - t0)) s" >> "$R/census_smollm2_${alg}_fused$f.log"
+    done ) &
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout 200 python3 -m baton.ops.linear.bench --tune --m 6 --only smol --json "$R/linear_tune_smol_m6.json" \
+        --write-table "$R/nvidia-h200-smol-m6.json" > "$R/linear_tune_smol_m6.log" 2>&1
+    echo "tune rc=$? at $((SECONDS - t0)) s" >> "$R/linear_tune_smol_m6.log"
+    PYTHONUNBUFFERED=1 timeout $((500 - (SECONDS - t0))) python3 -m baton.ops.moe.bench --fp8 --sweep --tokens 1 6 \
+        --routes uniform --no-torch --json "$R/moe_fp8_sweep.jsonl" > "$R/moe_fp8_sweep.log" 2>&1
+    echo "moe sweep rc=$? at $((SECONDS - t0)) s" >> "$R/moe_fp8_sweep.log" ) &
+  wait ;;
 m)  # the fp8 MoE tiles (issue 9's largest loss at T=1): sweep at T=1 and 6 on GPU 0; the winners go into
     # FP8_CONFIGS in baton/ops/moe/triton.py; GPU 1 meanwhile: the rest of the linear tune at M=6 (verify shapes)
   CUDA_VISIBLE_DEVICES=0 timeout ${MOE_S:-400} python3 -m baton.ops.moe.bench --fp8 --sweep --tokens 1 6 \

@@ -232,11 +232,13 @@ def _sweep(mt, mode: str, num_tokens: int, calls_for, run) -> tuple[float, objec
     for up in up_tiles:
         cfg = dataclasses.replace(base, up=up)
         us = _time_graph(calls_for(run, config=cfg))
+        print(f"  sweep {mode} T={num_tokens} up {up}: {us:.2f} us", flush=True)  # a sweep cut short still tells
         if us < best_us:
             best_us, best_cfg = us, cfg
     for down in down_tiles:
         cfg = dataclasses.replace(best_cfg, down=down)
         us = _time_graph(calls_for(run, config=cfg))
+        print(f"  sweep {mode} T={num_tokens} down {down}: {us:.2f} us", flush=True)
         if us < best_us:
             best_us, best_cfg = us, cfg
     return best_us, best_cfg
