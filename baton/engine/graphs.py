@@ -49,7 +49,7 @@ class CudaGraphs:
         self.one = torch.ones(1, dtype=torch.long, device=device)
         self.sim_table = None  # --speculative-simulate-accept-len: accepted counts, cycled by the step counter
         if self.spec and engine.server_args.spec.simulate_accept_len is not None:
-            self.sim_table = engine.simulated_accept_table(self.drafter.num_steps)
+            self.sim_table = engine.simulated_accept_table(self.num_verify - 1)  # k drafts (NEXTN steps, DSpark gamma)
         bodies = [self._draft, self._verify, self._extend] if self.spec else [self._decode]
         self.capture = capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None

@@ -46,6 +46,23 @@ def test_graph_program_simulated_accept(ling_path):
     assert abs(engine.spec_stats.avg_accept_length - 3.25) < 0.15
 
 
+def test_graph_program_simulated_accept_dspark(ling_path, ckpt_root):
+    """A DSpark drafter has no num_steps: the simulated counts come from its gamma (num_draft_tokens - 1). The
+    census of a DSpark step on dummy weights failed on this (H200, 2026-11-30)."""
+    from baton.config import load_model_config
+    from baton.spec.dspark_ckpt import write_random_dspark_draft
+
+    draft = str(ckpt_root / "graph_sim_dspark")
+    write_random_dspark_draft(load_model_config(ling_path), draft, seed=3, block_size=8, num_layers=1,
+                              markov_rank=16, with_heads=True)
+    engine = make_engine(ling_path, algorithm="DSPARK", draft_model_path=draft, num_draft_tokens=9,
+                         simulate_accept_len=2.9)
+    engine.graphs = CudaGraphs(engine, capture=False)
+    tokens, verify = run(engine, max_new_tokens=400)
+    assert abs(len(tokens) / verify - 2.9) < 0.15
+    assert abs(engine.spec_stats.avg_accept_length - 2.9) < 0.15
+
+
 @pytest.mark.parametrize("algorithm", ["DSPARK", "DFLASH"])
 def test_graph_program_equals_eager_dspark(ling_path, ckpt_root, algorithm):
     from baton.config import load_model_config
