@@ -16,6 +16,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def commit() -> str:
+    """BATON_COMMIT when set (the GPU machine's copy of the tree carries a stale .git: its rev-parse named the
+    previous session's commit on 2026-11-30), else git's HEAD."""
+    if os.environ.get("BATON_COMMIT"):
+        return os.environ["BATON_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        cwd=Path(__file__).parent, stderr=subprocess.DEVNULL).strip()

@@ -193,6 +193,28 @@ b)  # after phase a's tunings landed (the smol M=6 linear entries, FP8_CONFIGS):
   OUT=$R timeout -s ABRT $((540 - (SECONDS - t0))) python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 \
       --quantization fp8 --modes nextn --num-requests 1 > "$R/tp2_fp8_nextn.log" 2>&1
   echo "tp2 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_fp8_nextn.log" ;;
+g)  # the censuses again with exclusive attribution (PDL overlap given to the kernel that started first) and the top
+    # kernels: SmolLM2 plain / NEXTN / DSpark on dummy weights (GPU 0), the 42-layer fp8 model on one GPU (GPU 1)
+  SMOL=(--model-path benchmarks/configs/smollm2-135m-instruct --load-format dummy)
+  D=baton/drafts/smollm2-135m-instruct
+  ( export CUDA_VISIBLE_DEVICES=0
+    for alg in none NEXTN DSPARK; do
+      case $alg in
+        none) spec=(--speculative-algorithm none) ;;
+        NEXTN) spec=(--speculative-algorithm NEXTN --speculative-draft-model-path $D/nextn --speculative-num-steps 3
+                     --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --speculative-simulate-accept-len 2.97) ;;
+        DSPARK) spec=(--speculative-algorithm DSPARK --speculative-draft-model-path $D/dspark
+                      --speculative-num-draft-tokens 9 --speculative-simulate-accept-len 2.90) ;;
+      esac
+      timeout 60 python3 -m baton census "${SMOL[@]}" "${spec[@]}" --input-len 512 --num-steps 200 \
+          --output-file "$R/census_smollm2_$alg.jsonl" > "$R/census_smollm2_$alg.log" 2>&1
+      echo "census rc=$? at $((SECONDS - t0)) s" >> "$R/census_smollm2_$alg.log"
+    done ) &
+  ( export CUDA_VISIBLE_DEVICES=1
+    OUT=$R timeout ${G_S:-220} python3 benchmarks/bench_ling_flash.py --num-layers 42 --quantization fp8 --num-requests 1 \
+        > "$R/ling42_fp8.log" 2>&1
+    echo "ling42 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8.log" ) &
+  wait ;;
 m)  # the fp8 MoE tiles (issue 9's largest loss at T=1): sweep at T=1 and 6 on GPU 0; the winners go into
     # FP8_CONFIGS in baton/ops/moe/triton.py; GPU 1 meanwhile: the rest of the linear tune at M=6 (verify shapes)
   CUDA_VISIBLE_DEVICES=0 timeout ${MOE_S:-400} python3 -m baton.ops.moe.bench --fp8 --sweep --tokens 1 6 \

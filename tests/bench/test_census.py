@@ -1,0 +1,41 @@
+"""The census's time attribution (pure functions; the GPU census itself runs on the H200 only)."""
+
+import pytest
+
+from baton.bench.census import attribute, classify, exclusive_times
+
+
+def test_exclusive_times_give_an_overlap_to_the_kernel_that_started_first():
+    # A runs 0-10; B (PDL: launched at 4, waits for A) ends at 14; C alone 20-25; D inside C
+    shares = exclusive_times([(0, 10), (4, 14), (20, 25), (21, 22)])
+    assert shares == [10, 4, 5, 0]
+
+
+def test_exclusive_times_ignore_input_order_and_add_up_to_the_union():
+    intervals = [(5, 9), (0, 3), (2, 6), (12, 13)]
+    shares = exclusive_times(intervals)
+    assert shares == [3, 3, 3, 1]
+    assert sum(shares) == 10  # union: [0, 9] and [12, 13]
+
+
+def test_attribute_splits_a_pdl_chain_by_category_and_counts_idle():
+    # two steps of: gemv 0-10, moe kernel launched at 2 (waits) ending at 30, gap, attention 35-40
+    step = [("gemv_kernel", 0, 10), ("fused_moe_fp8", 2, 30), ("flash_decode", 35, 40)]
+    kernels = step + [(n, s + 100, e + 100) for n, s, e in step]
+    att = attribute(kernels, num_steps=2)
+    assert att["per_cat"]["dense GEMM"] == pytest.approx(10)
+    assert att["per_cat"]["MoE GEMM"] == pytest.approx(20)  # not its raw 28
+    assert att["inclusive"]["MoE GEMM"] == pytest.approx(28)
+    assert att["per_cat"]["attention"] == pytest.approx(5)
+    span = att["span"]  # 0 .. 140 over 2 steps
+    assert span == pytest.approx(70)
+    busy = sum(v for k, v in att["per_cat"].items() if k != "idle")
+    assert busy + att["per_cat"]["idle"] == pytest.approx(span)
+    assert att["top_kernels"][0] == ("fused_moe_fp8", 20)
+
+
+def test_classify_names():
+    assert classify("ncclDevKernel_AllReduce") == "all-reduce"
+    assert classify("fused_moe_direct_kernel") == "MoE GEMM"
+    assert classify("linear_kernel") == "dense GEMM"
+    assert classify("elementwise_kernel") == "router / activation / glue"
