@@ -8,8 +8,8 @@ covers the whole preallocated cache with a position mask, the accept count index
 the extend rows and the draft seed. The host therefore never needs a value a step produces to launch the
 next one.
 
-Sampled requests (temperature > 0) run here too with ``BATON_GRAPH_SAMPLING=1`` (off by default until its
-H200 test has run), on a second set of graphs captured at their first use. The decode samples from
+Sampled requests (temperature > 0) run here too (``BATON_GRAPH_SAMPLING=0`` sends them to the eager path), on
+a second set of graphs captured at their first use. The decode samples from
 ``logits_to_probs_t`` (the request's temperature / top-k / top-p / min-p in relay tensors) with the default
 generator, which the engine seeds per request (graph replays advance its Philox offset, so a seed repeats a
 request exactly); the drafts are still the argmax ones of the greedy bodies (a NEXTN chain, a whole DSpark /
@@ -54,7 +54,7 @@ class CudaGraphs:
         self.capture = capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = self._build(bodies)
-        self._sampled_replays = None  # captured on the first sampled request (BATON_GRAPH_SAMPLING=1)
+        self._sampled_replays = None  # captured on the first sampled request
 
     def _build(self, bodies) -> list:
         if not self.capture:

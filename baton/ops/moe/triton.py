@@ -143,16 +143,19 @@ ALIGNED_CONFIGS: dict[int, MoEConfig] = {
 
 
 # fp8 experts (direct path): BLOCK_K must divide the 128-wide scale blocks; fp8 rows are half the bytes, so the same
-# bytes per program take twice the rows. Keyed by T as DIRECT_CONFIGS. T=1 and T=6 are the winners of
-# `python -m baton.ops.moe.bench --fp8 --sweep --tokens 1 6 --routes uniform` (H200, 4 layers cold, graphs, PDL;
-# benchmarks/results/h200-2026-11-30b): T=1 41.2 -> 34.1 us (1.38 TB/s over the 8 experts' fp8 bytes), T=6 (46
-# distinct) 126.9 -> 112.6 us (2.41 TB/s). T=16 keeps the untuned starting point. Even tuned, T=1 reads its half
-# bytes no faster than the bf16 kernel reads twice as many (28.2 us): the fp8 kernel is latency-bound, its BLOCK_K
-# tied to the 128-wide scale blocks.
+# bytes per program take twice the rows. Keyed by T as DIRECT_CONFIGS. H200 (benchmarks/results/h200-2026-11-30b):
+#   T=6: the winner of `python -m baton.ops.moe.bench --fp8 --sweep --tokens 1 6 --routes uniform` (4 layers cold,
+#        graphs, PDL): 126.9 -> 112.6 us (46 distinct experts, 2.41 TB/s); in the 42-layer model the NEXTN verify
+#        graph went 9.24 -> 8.68 ms at TP2.
+#   T=1: the sweep's winner, up (16, 128, 8 warps, 4), measured 34.1 us alone against 41.2, but in the whole model it
+#        made things slower: the TP2 draft graph 1577 -> 1654 us and the one-GPU plain step 5.71 -> 6.51 ms. So T=1
+#        keeps the starting tiles until an A/B inside the model says otherwise. Even at 34 us the fp8 kernel reads its
+#        half bytes no faster than the bf16 kernel reads twice as many (28.5 us): it is latency-bound, its BLOCK_K
+#        tied to the 128-wide scale blocks.
 FP8_BLOCK = 128
 FP8_CONFIG = MoEConfig(up=MoETile(32, 128, 4, 4), down=MoETile(32, 128, 4, 4))
 FP8_CONFIGS: dict[int, MoEConfig] = {
-    1: MoEConfig(up=MoETile(16, 128, 8, 4), down=MoETile(32, 128, 4, 4)),
+    1: FP8_CONFIG,
     6: MoEConfig(up=MoETile(64, 128, 8, 3), down=MoETile(64, 128, 8, 3)),
     16: FP8_CONFIG,
 }
