@@ -14,6 +14,7 @@ from torch import nn
 from baton import dist
 from baton.cache.model_cache import ModelCache
 from baton.layers.context import ForwardContext
+from baton.ops.argmax import argmax_rows
 
 
 class CausalLM(nn.Module):
@@ -68,12 +69,12 @@ class CausalLM(nn.Module):
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, d] -> argmax token ids [T] (int64), the lowest id among ties, the same on every rank."""
         if dist.tp_size() == 1:
-            return self.compute_logits(hidden).argmax(-1)
+            return argmax_rows(self.compute_logits(hidden))
         logits = self.compute_local_logits(hidden)
         vocab = self.embed_tokens.vocab
         if vocab.valid < logits.shape[-1]:
             logits[:, vocab.valid :] = float("-inf")
-        idx = logits.argmax(-1)
+        idx = argmax_rows(logits)
         best = logits.gather(1, idx[:, None])[:, 0]
         # fp64 holds both the fp32 maximum and the token id exactly: one gather of [tp, 2, T]
         pairs = dist.all_gather(torch.stack([best.double(), (idx + vocab.start).double()])[None], dim=0)

@@ -46,6 +46,7 @@ from baton.layers.mlp import MLP
 from baton.layers.norm import RMSNorm
 from baton.layers.rope import RotaryEmbedding
 from baton.models.base import CausalLM
+from baton.ops.argmax import argmax_rows, markov_greedy
 from baton.ops.attention import attention
 from baton.spec.base import Draft, Drafter, pick_tokens
 from baton.spec.drafts import check_vocab
@@ -383,10 +384,10 @@ class DSparkDrafter(Drafter):
         h = self.model(self.target.embed(ids), relay.pos + arange[: self.gamma], self.caches, None)
         base_logits = self.target.compute_logits(h)  # [gamma, V]
         if not self.use_heads:
-            relay.draft_tokens.copy_(base_logits.argmax(-1))
+            relay.draft_tokens.copy_(argmax_rows(base_logits))
             return
-        greedy = SamplingParams(temperature=0.0)
-        relay.draft_tokens.copy_(markov_propose(base_logits, relay.anchor, self.model.markov_head, greedy, None).tokens)
+        head = self.model.markov_head  # the greedy chain in 2 kernels a slot on CUDA (ops/argmax)
+        relay.draft_tokens.copy_(markov_greedy(base_logits, relay.anchor, head.w1.weight, head.w2.weight))
 
     def graph_extend(self, relay, arange) -> None:
         """Context K/V of every verify row at extend_pos + i; rows past the accept count land at positions the
