@@ -103,13 +103,22 @@ def _add_nextn_args(p: argparse.ArgumentParser) -> None:
                    help="chain steps trained per row, the head's own hidden fed back as when drafting "
                         "(1 = teacher forcing)")
     g.add_argument("--step-decay", type=float, default=0.8, help="loss weight of chain step s: decay^(s-1)")
-    g.add_argument("--init", default="target", choices=["target", "random"],
-                   help="target: the body starts as a copy of the target's last decoder layer")
+    _add_init_arg(p, g)
     g.add_argument("--eval-num-steps", type=int, default=3, help="--speculative-num-steps when evaluating")
+
+
+def _add_init_arg(p: argparse.ArgumentParser, g) -> None:
+    """``--init``, shared by the NEXTN and DSpark groups (``ablate`` has both): None = the algorithm's default."""
+    if any(a.dest == "init" for a in p._actions):
+        return
+    g.add_argument("--init", default=None, choices=["target", "random"],
+                   help="target: NEXTN's body / DSpark's layers start as copies of the target's last decoder "
+                        "layer(s); random: N(0, 1/fan_in) (default: target for NEXTN, random for DSpark)")
 
 
 def _add_dspark_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("DSpark / DFlash draft")
+    _add_init_arg(p, g)
     g.add_argument("--algorithm", default="dspark", choices=["dspark", "dflash"],
                    help="dflash: backbone only (no Markov / confidence head), CE loss")
     g.add_argument("--block-size", type=int, default=7, help="gamma: query slots = drafts per round")
@@ -177,7 +186,8 @@ def run_nextn(ns: argparse.Namespace, target=None):
 
     target = target or load_frozen_target(_target_args(ns))
     device = resolve_device(ns.device)
-    nopts = NextNOptions(unroll_steps=ns.unroll_steps, step_decay=ns.step_decay, init=ns.init, init_seed=ns.seed)
+    nopts = NextNOptions(unroll_steps=ns.unroll_steps, step_decay=ns.step_decay, init=ns.init or "target",
+                         init_seed=ns.seed)
     head, body_cfg = build_trainable_head(target.model, target.config, nopts, device)
     task = NextNTask(head, body_cfg, FrozenHead(target.model, device), nopts, device)
     samples = read_samples(ns.train_data, ns.max_seq_len)
@@ -198,7 +208,7 @@ def _dspark_options(ns: argparse.Namespace):
     return DSparkOptions(block_size=ns.block_size, num_layers=ns.num_layers, markov_rank=rank,
                          num_anchors=ns.num_anchors, loss_decay_gamma=ns.loss_decay_gamma, alphas=alphas,
                          mask_token_id=ns.mask_token_id, target_layer_ids=ns.target_layer_ids,
-                         qk_norm=not ns.no_qk_norm, init_seed=ns.seed)
+                         qk_norm=not ns.no_qk_norm, init=ns.init or "random", init_seed=ns.seed)
 
 
 def run_dspark(ns: argparse.Namespace, target=None):

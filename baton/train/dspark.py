@@ -61,6 +61,7 @@ class DSparkOptions:
     mask_token_id: int | None = None  # None: the last vocabulary id
     target_layer_ids: list[int] | None = None  # None: build_target_layer_ids(target layers, num_layers)
     qk_norm: bool = True
+    init: str = "random"  # "target": draft layer i starts as the target's decoder layer L - n + i (see below)
     init_seed: int = 0
 
     @property
@@ -80,7 +81,9 @@ def build_trainable_draft(target_cfg: ModelConfig, dopts: DSparkOptions, device:
                           target: torch.nn.Module | None = None) -> tuple[DSparkDraftModel, DSparkDraftConfig]:
     """A fp32 draft on ``device``: backbone weights ~ N(0, 1/fan_in), norms 1 (the final norm a copy of the
     ``target``'s when given: the logit scale of the shared lm_head), the Markov bias W2 and the confidence
-    head at zero (the chain starts as plain DFlash, every confidence at 0.5)."""
+    head at zero (the chain starts as plain DFlash, every confidence at 0.5). ``dopts.init == "target"``: each
+    draft layer starts as a copy of one of the target's last layers (``copy_target_layers``); fc and the q/k
+    norms keep their initialisation."""
     cfg = draft_config_for(target_cfg, dopts.block_size, dopts.num_layers, dopts.markov_rank,
                            dopts.mask_token_id, dopts.target_layer_ids, dopts.qk_norm)
     for i in cfg.target_layer_ids:
@@ -88,6 +91,12 @@ def build_trainable_draft(target_cfg: ModelConfig, dopts: DSparkOptions, device:
             raise ConfigError(f"target layer id {i} must lie in [0, {target_cfg.num_hidden_layers - 2}]")
     model = DSparkDraftModel(cfg, with_heads=dopts.with_heads, device=device, dtype=torch.float32)
     init_dummy_weights(model, dopts.init_seed)
+    if dopts.init == "target":
+        if target is None:
+            raise ConfigError("DSpark init 'target' needs the target model")
+        copy_target_layers(model, target)
+    elif dopts.init != "random":
+        raise ConfigError(f"--init {dopts.init}: choose target or random")
     with torch.no_grad():
         if target is not None:
             model.norm.weight.copy_(target.model.norm.weight.float())
@@ -98,6 +107,34 @@ def build_trainable_draft(target_cfg: ModelConfig, dopts: DSparkOptions, device:
             model.confidence_head.weight.zero_()
             model.confidence_head.bias.zero_()
     return model, cfg
+
+
+def copy_target_layers(model: DSparkDraftModel, target: torch.nn.Module) -> None:
+    """Draft layer i <- the target's decoder layer L - n + i (n draft layers): its norms, MLP and attention
+    projections, the fused ``qkv_proj`` split into q / k / v. Every draft tensor must find a target tensor of its
+    shape; a target of another layer structure (e.g. Ling's MLA / KDA layers) is refused, naming the tensor."""
+    layers = list(target.model.layers)
+    n = len(model.layers)
+    for i, layer in enumerate(model.layers):
+        src = layers[len(layers) - n + i]
+        theirs = {k: v for k, v in src.state_dict().items()}
+        qkv = theirs.pop("self_attn.qkv_proj.weight", None)
+        if qkv is not None:
+            sizes = [layer.self_attn.q_proj.weight.shape[0], layer.self_attn.k_proj.weight.shape[0],
+                     layer.self_attn.v_proj.weight.shape[0]]
+            if sum(sizes) == qkv.shape[0]:
+                for name, part in zip(("q_proj", "k_proj", "v_proj"), qkv.split(sizes), strict=True):
+                    theirs[f"self_attn.{name}.weight"] = part
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                if name.endswith(("q_norm.weight", "k_norm.weight")):
+                    continue  # the target has no q/k norm: these stay 1
+                w = theirs.get(name)
+                if w is None or tuple(w.shape) != tuple(p.shape):
+                    got = "missing" if w is None else f"shape {tuple(w.shape)}"
+                    raise ConfigError(f"DSpark init 'target': draft tensor layers.{i}.{name} {tuple(p.shape)} has no "
+                                      f"counterpart in target layer {len(layers) - n + i} ({got}); use --init random")
+                p.copy_(w.float())
 
 
 # ---- anchors, masks, weights ----
@@ -321,5 +358,5 @@ def _stats(parts: LossParts, out: BlockOutputs, w: torch.Tensor, w_host: torch.T
 
 
 __all__ = ["DFLASH_ALPHAS", "DSPARK_ALPHAS", "BlockOutputs", "DSparkOptions", "DSparkTask", "block_mask",
-           "block_outputs", "build_trainable_draft", "dspark_loss", "make_blocks", "packed_forward",
-           "position_weights", "sample_anchors", "slot_weights"]
+           "block_outputs", "build_trainable_draft", "copy_target_layers", "dspark_loss", "make_blocks",
+           "packed_forward", "position_weights", "sample_anchors", "slot_weights"]

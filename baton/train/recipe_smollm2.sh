@@ -7,7 +7,8 @@
 #   GPUS=cpu bash baton/train/recipe_smollm2.sh [OUT]             # no GPU (a smoke run with small NUM_PROMPTS etc.)
 #   GPUS=cuda:0,cuda:1 bash baton/train/recipe_smollm2.sh [OUT]   # two GPUs: NEXTN and DSpark train side by side
 #   SPLIT=1 GPUS=cuda:0,cuda:1 ...                                # SplitServe: target on the first, trainer on the second
-#   ABLATE=1 [ABL_STEPS=400] ...                                  # also the Markov-rank and depth ablations
+#   ABLATE=1 [ABL_STEPS=400] ...                                  # also the Markov-rank, depth and init ablations
+#   DSPARK_INIT=target ...                                        # DSpark layers start as the target's last layer
 #   SHIP=1 ...                                                    # copy the drafts into baton/drafts (the default)
 #   DATA_BUDGET=270 TRAIN_BUDGET=300 ...                          # seconds: cut generation / each training run to fit
 #   REUSE_DATA=1 ...                                              # keep an existing OUT/data/gsm8k.jsonl (no step 1)
@@ -65,7 +66,8 @@ on "$V0" baton train nextn "${COMMON[@]}" --output "$OUT/nextn" "${DEV_N[@]}" "$
 pid_n=$!
 [ "$G0" = "$G1" ] && { wait $pid_n; stamp nextn; }
 on "$V1" baton train dspark "${COMMON[@]}" --output "$OUT/dspark" "${DEV_D[@]}" "${EVAL[@]}" --num-layers 1 \
-    --block-size 16 --markov-rank 16 --target-layer-ids 1,27 --num-anchors 256 > "$OUT/dspark.log" 2>&1
+    --block-size 16 --markov-rank 16 --target-layer-ids 1,27 --num-anchors 256 --init "${DSPARK_INIT:-random}" \
+    > "$OUT/dspark.log" 2>&1
 stamp dspark
 wait $pid_n || { tail -20 "$OUT/nextn.log"; exit 1; }
 stamp nextn
@@ -85,7 +87,7 @@ python3 benchmarks/plot_drafts.py "$OUT"/drafts_gsm8k_nextn.json "$OUT"/drafts_g
     --output "$OUT/drafts_gsm8k.png" --title "accept length and TPOT on GSM8K test" || true
 stamp report
 
-# 5. ablations (accept length of each choice, greedy, held-out prompts): Markov rank and draft depth
+# 5. ablations (accept length of each choice, greedy, held-out prompts): Markov rank, draft depth, initialisation
 if [ "${ABLATE:-0}" = 1 ]; then
   ABL=(--train-data "$DATA" "${DEV_D[@]}" --holdout-data "$HOLD" --eval-prompts 32 --eval-max-new-tokens 256
        --epochs 1 --batch-size 16 --lr 6e-4 --block-size 16 --num-anchors 256 --target-layer-ids 1,27 --seed 0
@@ -94,6 +96,8 @@ if [ "${ABLATE:-0}" = 1 ]; then
       --output "$OUT/ablate-rank" "${ABL[@]}"
   on "$V1" baton train ablate --algorithm dspark --vary num_layers=1,2 --markov-rank 16 --output "$OUT/ablate-depth" \
       "${ABL[@]}"
+  on "$V1" baton train ablate --algorithm dspark --vary init=random,target --num-layers 1 --markov-rank 16 \
+      --output "$OUT/ablate-init" "${ABL[@]}"
   stamp ablate
 fi
 

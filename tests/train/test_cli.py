@@ -38,5 +38,13 @@ def test_ablate_markov_rank(tmp_path, target_path, greedy_data, capsys):
     with open(os.path.join(out, "markov_rank=0", "config.json")) as f:
         assert json.load(f)["dspark_markov_rank"] == 0  # rank 0 is a DFlash draft
     assert os.path.getsize(os.path.join(out, "ablation.png")) > 1000
+    # --init is one option for both draft kinds (ablate carries both groups): None means the kind's default
+    from baton.train.cli import _dspark_options
+
+    parser = __import__("baton.cli", fromlist=["build_parser"]).build_parser()
+    ns = parser.parse_args(["train", "ablate", "--vary", "init=random,target", "--train-data", train, "--output", out])
+    assert ns.init is None and _dspark_options(ns).init == "random"
+    ns = parser.parse_args(["train", "dspark", "--init", "target", "--train-data", train, "--output", out])
+    assert _dspark_options(ns).init == "target"
     assert baton_main(["train", "ablate", "--algorithm", "dspark", "--vary", "no_such_option=1,2", "--train-data",
                        train, "--output", out]) == 2

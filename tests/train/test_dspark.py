@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.cli import main as baton_main
-from baton.config import ServerArgs
+from baton.config import ConfigError, ServerArgs
 from baton.spec.dspark import load_sts_temperatures
 from baton.train.common import FrozenHead, Sample
 from baton.train.dspark import (
@@ -20,6 +20,7 @@ from baton.train.dspark import (
     block_mask,
     block_outputs,
     build_trainable_draft,
+    copy_target_layers,
     dspark_loss,
     make_blocks,
     position_weights,
@@ -115,6 +116,35 @@ def test_packed_forward_matches_serving_blocks(target_path):
                                        rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(out.conf_logits[rows], model.confidence_logits(h, emb), rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(out.target_logits[rows][:2], frozen.logits(feats.hidden[a : a + 2]))
+
+
+def test_target_init_copies_the_targets_last_layers(target_path):
+    target = load_frozen_target(ServerArgs(model_path=target_path, device="cpu"))
+    opts = dict(block_size=4, num_layers=2, markov_rank=8)
+    model, _ = build_trainable_draft(target.config, DSparkOptions(init="target", **opts), CPU, target.model)
+    plain, _ = build_trainable_draft(target.config, DSparkOptions(**opts), CPU, target.model)
+    src = list(target.model.model.layers)[-2:]
+    x = torch.randn(3, target.config.hidden_size)
+    for layer, theirs in zip(model.layers, src, strict=True):
+        attn = layer.self_attn
+        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+        torch.testing.assert_close(qkv, theirs.self_attn.qkv_proj.weight.float())
+        torch.testing.assert_close(attn.o_proj.weight, theirs.self_attn.o_proj.weight.float())
+        torch.testing.assert_close(layer.post_attention_layernorm.weight, theirs.post_attention_layernorm.weight)
+        with torch.no_grad():  # the MLP computes what the target's does
+            torch.testing.assert_close(layer.mlp(x), theirs.mlp(x.to(theirs.mlp.down_proj.weight.dtype)).float())
+        assert torch.all(attn.q_norm.weight == 1) and torch.all(attn.k_norm.weight == 1)
+    torch.testing.assert_close(model.fc.weight, plain.fc.weight)  # the fusion keeps its (seeded) initialisation
+    assert not torch.equal(model.layers[0].mlp.down_proj.weight, plain.layers[0].mlp.down_proj.weight)
+
+
+def test_target_init_refuses_a_target_of_another_layer_structure(ling_path):
+    target = load_frozen_target(ServerArgs(model_path=ling_path, device="cpu"))
+    model, _ = build_trainable_draft(target.config, DSparkOptions(block_size=4, num_layers=1, markov_rank=8), CPU)
+    with pytest.raises(ConfigError, match=r"draft tensor layers\.0\..* has no counterpart .*--init random"):
+        copy_target_layers(model, target.model)
+    with pytest.raises(ConfigError, match="choose target or random"):
+        build_trainable_draft(target.config, DSparkOptions(block_size=4, num_layers=1, init="copy"), CPU)
 
 
 def test_bf16_features_feed_an_fp32_draft(target_path):
