@@ -1,35 +1,50 @@
 #!/usr/bin/env bash
 # One H200 x2 session in back-to-back calls (the machine stays warm ~30 s between them); everything each call
-# measures is packed into $OUT/<phase>.tgz (the device returns at most 8 files). Order: p, r, w (repeat until
-# the report is done), e.
+# measures is packed into $OUT/<phase>.tgz (the device returns at most 8 files). Each of the first three calls
+# also carries one third of the GGUF (.carry0/1/2, see below); the GGUF is rebuilt when the last arrives, so a
+# phase that needs it (r, e) comes third or later. A training session: a (+.carry0), p (+.carry1), r (+.carry2),
+# w (repeat until the report is done), e.
 #
-#   p  (carry .carry0 .whl)   part 0 of the GGUF; GPU 0: the Ling 18-layer bench (tuned linear table, fla
-#                             prefill); GPU 1: the whole Ling-3.0-flash with fp8 experts on one GPU
-#   r  (carry .carry1 .whl)   part 1 + GSM8K (+ traindata.tgz); rebuild the GGUF; with carried data: a 30-step
-#                             DSpark A/B of TF32 (GPU 0 on, GPU 1 off), the faster setting kept; then the draft
-#                             recipe in the background (NEXTN on GPU 0, DSpark on GPU 1, TRAIN_BUDGET s each),
-#                             or, without data, generation first and the linear tuning sweep on GPU 1
-#   w  (carry .whl)           while the recipe trains: the TP2 GPU tests once (correctness only: they share the
+#   a  (no GGUF needed)       GPU 0: the attention / graph GPU tests, SmolLM2 censuses on dummy weights at its
+#                             config (plain, NEXTN, DSpark; fused attention on and off); GPU 1: the linear tune at
+#                             M=6 for SmolLM2's shapes, then the fp8 MoE tile sweep
+#   b  (no GGUF needed)       the speculative SmolLM2 censuses, the sampled-graph tests, the 42-layer fp8 model on
+#                             one GPU, then fp8 NEXTN at TP2
+#   g  (no GGUF needed)       exclusive censuses: SmolLM2 plain / NEXTN / DSpark (GPU 0), 42-layer fp8 (GPU 1)
+#   p                         GPU 0: the Ling 18-layer bench; GPU 1: the whole Ling-3.0-flash with fp8 experts
+#   r  (the GGUF)             with carried data: a 30-step DSpark A/B of TF32 (GPU 0 on, GPU 1 off), the faster
+#                             setting kept; then the draft recipe in the background (NEXTN on GPU 0, DSpark on
+#                             GPU 1, TRAIN_BUDGET s each), or, without data, generation first and the linear
+#                             tuning sweep on GPU 1
+#   w                         while the recipe trains: the TP2 GPU tests once (correctness only: they share the
 #                             GPUs with training); then wait for the recipe's report, pack drafts and report
-#   e  (carry .whl)           after training: the fused-attention kernel tests, the SmolLM2 plain-decode bench with
+#   e  (the GGUF)             after training: the fused-attention kernel tests, the SmolLM2 plain-decode bench with
 #                             the fused-attention A/B, censuses of plain and NEXTN SmolLM2 steps (GPU 0); the whole
 #                             Ling-3.0-flash bf16 at TP2 (one-shot all-reduce, plain and NEXTN, with the TP census);
 #                             fp8 NEXTN at TP2 if time is left
-#   d  (carry .whl)           TP2 only: the tests, all-reduce latency, bf16 plain / NEXTN and fp8 NEXTN benches
-#   m  (carry .whl)           the fp8 MoE tile sweep (GPU 0) and the linear tune at M=6 (GPU 1)
-#   t  (carry .whl)           tune the linear kernels' configs; the table comes back as nvidia-h200.json
+#   d                         TP2 only: the tests, all-reduce latency, bf16 plain / NEXTN and fp8 NEXTN benches
+#   m                         the fp8 MoE tile sweep (GPU 0) and the linear tune at M=6 (GPU 1)
+#   t                         tune the linear kernels' configs; the table comes back as nvidia-h200.json
+# Every call carries .whl (fla-core and gguf wheels, and commit.txt: `git rev-parse --short HEAD > .whl/commit.txt`).
 #
-# .carry0 = {part, index} of `device-parts.sh split <gguf> 48`; .carry1 = {part, index, sha256, gsm8k/}, and
+# The GGUF (98 MB) does not fit one call beside the 23 MB tree: .carry0, .carry1, .carry2 each hold a third
+# ({part, index, nparts, sha256}; `split -n 3 -d -a 2 <gguf> p.`), so the first three calls of a session carry
+# one each, in any order (a cold restart loses the parts already sent). .carry2 also holds gsm8k/ and
 # optionally traindata.tgz (an earlier session's data/gsm8k{,.holdout}.jsonl: phase r then skips generation).
 set -uo pipefail
 phase=${1:?phase a|b|c|d}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts /tmp/res /tmp/train
-for c in .carry0 .carry1; do
+# The GGUF travels in parts, one per call (.carryI/{part, index, nparts, sha256}); once all have arrived on
+# this (warm) machine it is rebuilt and checked.
+for c in .carry0 .carry1 .carry2 .carry3; do
   [ -f $c/part ] && cp $c/part "/tmp/parts/$(cat $c/index)"
+  [ -d $c/gsm8k ] && rm -rf /tmp/gsm8k && cp -r $c/gsm8k /tmp/gsm8k
+  [ -f $c/traindata.tgz ] && cp $c/traindata.tgz /tmp/traindata.tgz
+  [ -f $c/sha256 ] && cp $c/sha256 /tmp/parts.sha256 && cp $c/nparts /tmp/parts.n 2>/dev/null
 done
-[ -d .carry1/gsm8k ] && rm -rf /tmp/gsm8k && cp -r .carry1/gsm8k /tmp/gsm8k
-if [ -f .carry1/sha256 ] && [ "$(ls /tmp/parts | wc -l)" -ge 2 ]; then
-  cat /tmp/parts/* > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf && sha256sum -c .carry1/sha256
+if [ -f /tmp/parts.sha256 ] && [ ! -f /tmp/SmolLM2-135M-Instruct.Q4_1.gguf ] \
+    && [ "$(ls /tmp/parts | wc -l)" -ge "$(cat /tmp/parts.n 2>/dev/null || echo 2)" ]; then
+  cat /tmp/parts/* > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf && sha256sum -c /tmp/parts.sha256
 fi
 source benchmarks/device_setup.sh
 export BATON_COMMIT=$(cat .whl/commit.txt 2>/dev/null || echo unknown)
@@ -63,7 +78,7 @@ p)
 r)
   ls -la /tmp/SmolLM2-135M-Instruct.Q4_1.gguf > "$R/gguf.txt" 2>&1
   # training data made by an earlier session (.carry1/traindata.tgz holds data/gsm8k{,.holdout}.jsonl): reused
-  [ -f .carry1/traindata.tgz ] && tar xzf .carry1/traindata.tgz -C /tmp/train && export REUSE_DATA=1
+  [ -f /tmp/traindata.tgz ] && tar xzf /tmp/traindata.tgz -C /tmp/train && export REUSE_DATA=1
   if [ "${REUSE_DATA:-0}" = 1 ] && [ -z "${BATON_TRAIN_TF32:-}" ]; then
     # DSpark's step went from 0.72 to 2.1 s between two commits (2026-11-29); TF32 is one suspect: A/B it
     for tf in 1 0; do
