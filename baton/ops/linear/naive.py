@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from baton.ops.rmsnorm import rms_norm
+from baton.ops.rmsnorm.naive import rms_norm
 
 
 def swiglu(gate_up: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
