@@ -14,20 +14,25 @@ import torch
 import triton
 import triton.language as tl
 
+from baton import env
+from baton.ops.linear.triton import _round
+
 MAX_DIM = 16384
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, D, eps, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_o, D, eps, BLOCK_D: tl.constexpr,
+                     INTERPRET: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
-    y = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    y = _round(xf * rstd, x_ptr.dtype.element_ty, INTERPRET)  # x's dtype, to nearest (also in the interpreter)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + offs, (y * w).to(out_ptr.dtype.element_ty), mask=mask)
+    out = _round(y * w, out_ptr.dtype.element_ty, INTERPRET)
+    tl.store(out_ptr + row * stride_o + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -44,5 +49,5 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows.shape, device=x.device, dtype=torch.promote_types(weight.dtype, x.dtype))
     block = triton.next_power_of_2(d)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), d, eps, BLOCK_D=block,
-                                       num_warps=4 if block <= 2048 else 8)
+                                       INTERPRET=env.triton_interpret(), num_warps=4 if block <= 2048 else 8)
     return out.reshape(x.shape)
