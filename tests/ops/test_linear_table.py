@@ -19,15 +19,29 @@ def test_table_round_trip_and_pick(tmp_path, monkeypatch):
     assert path == str(tmp_path / "fake-gpu-9000.json")
     table = fast.read_table(tmp_path / "fake-gpu-9000.json")
     assert table[("gemv", 2560, 4096, False)].block_n == 8
-    assert table[("dot", 2560, 4096, False)].block_n == 32  # the largest tuned M wins for the dot entry
+    assert table[("few", 2560, 4096, False)].block_n == 16  # M = 2..FEW_MAX_M
+    assert table[("dot", 2560, 4096, False)].block_n == 32
     assert table[("gemv", 768, 2560, True)].block_n == 4
 
     monkeypatch.setattr(fast, "_current_device_name", lambda: "Fake GPU 9000")
     assert fast.pick_config(1, 2560, 4096) == fast.LinearConfig(8, 512, 1, 4, 1)
+    assert fast.pick_config(4, 2560, 4096) == fast.LinearConfig(16, 512, 1, 4, 1)
     assert fast.pick_config(12, 2560, 4096) == fast.LinearConfig(32, 512, 1, 4, 1)
     assert fast.pick_config(1, 1234, 4096) == fast._heuristic_config(1, 1234, 4096, False)  # not in the table
     monkeypatch.setitem(fast.TUNED, ("gemv", 2560, 4096, False), fast.LinearConfig(2, 256))
     assert fast.pick_config(1, 2560, 4096).block_n == 2  # entries set in code take precedence
+
+
+def test_few_rows_fall_back_to_the_dot_entry_and_a_gemv_form_stays_within_few_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(fast, "TUNED_DIR", tmp_path)
+    write_table([_row(16, 576, 576, 32)], "Fake GPU 9001")  # only a dot entry (tables written before "few")
+    monkeypatch.setattr(fast, "_current_device_name", lambda: "Fake GPU 9001")
+    assert fast.pick_config(4, 576, 576).block_n == 32
+    few = fast.LinearConfig(4, 256, 1, 4, 1, dot=False)
+    monkeypatch.setitem(fast.TUNED, ("few", 576, 576, False), few)
+    assert fast.pick_config(4, 576, 576) == few
+    monkeypatch.setitem(fast.TUNED, ("dot", 999, 576, False), few)  # a GEMV-form entry never serves M > 8
+    assert fast.pick_config(12, 999, 576) == fast._heuristic_config(12, 999, 576, False)
 
 
 def test_no_table_means_heuristics():

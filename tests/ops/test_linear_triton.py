@@ -67,13 +67,13 @@ def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 
 
 # Odd sizes; the configs cover the M == 1 path (default and forced small tiles), split-K with a partial last
-# chunk, and tl.dot with M padded to 16.
-CONFIGS = [None, (4, 32, 1), (16, 32, 3)]
+# chunk, tl.dot with M padded to 16, and the GEMV form over a few rows (dot=False), with and without split-K.
+CONFIGS = [None, (4, 32, 1), (16, 32, 3), (4, 32, 1, 4, 1, False), (8, 16, 3, 4, 1, False)]
 
 
 @kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("m", [1, 3, 6, 16])
 @pytest.mark.parametrize("norm", [False, True])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("cfg", CONFIGS)
@@ -81,7 +81,7 @@ def test_linear(monkeypatch, dtype, m, norm, residual, cfg):
     n, k = 37, 70
     x, w, nw, res = make(m, n, k, dtype, seed=m)
     config = None if cfg is None else fast.LinearConfig(*cfg)
-    if config is not None and m > 1 and config.block_n < 16:
+    if config is not None and m > 1 and config.dot and config.block_n < 16:
         pytest.skip("tl.dot needs BLOCK_N >= 16")
     poisoned_launch(monkeypatch, fast)
     out = fast.linear_fwd(x, w, nw if norm else None, 1e-6, res if residual else None, config=config)
@@ -99,7 +99,7 @@ def test_linear_swiglu(monkeypatch, dtype, m, norm, limit, cfg):
     x, w, nw, _ = make(m, 2 * i, k, dtype, seed=10 + m)
     w = w * 4  # activations beyond the limit, so the clamp matters
     config = None if cfg is None else fast.LinearConfig(*cfg)
-    if config is not None and m > 1 and config.block_n < 16:
+    if config is not None and m > 1 and config.dot and config.block_n < 16:
         pytest.skip("tl.dot needs BLOCK_N >= 16")
     poisoned_launch(monkeypatch, fast)
     out = fast.linear_swiglu_fwd(x, w, nw if norm else None, 1e-6, limit, config=config)
@@ -188,6 +188,24 @@ def test_real_shapes_cuda(monkeypatch, m, shape, pdl):
         for norm_weight, residual in ((None, None), (nw, None), (None, res), (nw, res)):
             out = fast.linear_fwd(x, w, norm_weight, 1e-6, residual, use_pdl=pdl)
             check(out, naive.linear(x, w, norm_weight, 1e-6, residual), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [2, 4, 8])
+@pytest.mark.parametrize("shape", REAL_SHAPES)
+@pytest.mark.parametrize("cfg", [(4, 256, 1), (8, 128, 2), (2, 512, 1)])
+def test_few_rows_gemv_form_cuda(monkeypatch, m, shape, cfg):
+    """The GEMV form over a few rows (``dot=False``, what a tuned "few" entry may choose) at the real shapes."""
+    n, k, swiglu = shape
+    x, w, nw, res = make(m, n, k, torch.bfloat16, device="cuda", seed=n + 3 * m)
+    config = fast.LinearConfig(*cfg, 4, 1, dot=False)
+    poisoned_launch(monkeypatch, fast)
+    if swiglu:
+        out = fast.linear_swiglu_fwd(x, w * 8, nw, 1e-6, 7.0, config=config)
+        check(out, naive.linear_swiglu(x, w * 8, nw, 1e-6, 7.0), torch.bfloat16)
+    else:
+        check(fast.linear_fwd(x, w, nw, 1e-6, res, config=config), naive.linear(x, w, nw, 1e-6, res), torch.bfloat16)
 
 
 @pytest.mark.gpu

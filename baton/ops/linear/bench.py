@@ -173,7 +173,7 @@ def bench_linear(shapes: list[BenchShape], dtype: torch.dtype = torch.bfloat16, 
 
 
 def _candidates(m: int, n_out: int, k: int, swiglu: bool) -> list:
-    from baton.ops.linear.triton import LinearConfig
+    from baton.ops.linear.triton import FEW_MAX_M, LinearConfig
 
     rows_per_col = 2 if swiglu else 1
     out = []
@@ -191,6 +191,16 @@ def _candidates(m: int, n_out: int, k: int, swiglu: bool) -> list:
             for split in (1, 2, 4, 8):
                 if split == 1 or (n_blocks * split <= 1024 and bk * split <= k):
                     out.append(LinearConfig(bn, bk, split, 4, 1))
+    if m <= FEW_MAX_M:  # the GEMV form over next_pow2(M) rows: products [rows, BLOCK_N, BLOCK_K] in registers
+        rows = 1 << (m - 1).bit_length()
+        for bk in (64, 128, 256, 512):
+            for bn in (2, 4, 8, 16):
+                n_blocks = -(-n_out // bn)
+                if rows * bn * bk * rows_per_col > 8192 or bk > max(64, 2 * k):
+                    continue
+                for split in (1, 2, 4):
+                    if split == 1 or (n_blocks * split <= 1024 and bk * split <= k):
+                        out.append(LinearConfig(bn, bk, split, 4, 1, dot=False))
     return out
 
 
@@ -237,14 +247,14 @@ def tune_linear(shapes: list[BenchShape], dtype: torch.dtype = torch.bfloat16, m
 
 
 def write_table(rows: list[dict], device_name: str, path: str = "default") -> str:
-    """The winners of ``tune_linear`` as a table ``pick_config`` reads: M == 1 rows give the "gemv" entry, M > 1
-    rows the "dot" entry (the largest M tuned wins when several are)."""
+    """The winners of ``tune_linear`` as a table ``pick_config`` reads: M == 1 rows give the "gemv" entry,
+    M = 2..FEW_MAX_M rows the "few" entry, larger M the "dot" entry (the largest M tuned wins when several are)."""
     from baton.ops.linear import triton as fast
 
     out = fast.table_path(device_name) if path == "default" else path
     entries: dict[tuple, dict] = {}
     for r in sorted(rows, key=lambda r: r["m"]):
-        kind = "gemv" if r["m"] == 1 else "dot"
+        kind = fast.table_kinds(r["m"])[0]
         entries[(kind, r["n_out"], r["k"], r["swiglu"])] = {
             "kind": kind, "n_out": r["n_out"], "k": r["k"], "swiglu": r["swiglu"], "config": r["best"],
             "us": round(r["best_us"], 2), "gbps": round(r["best_gbps"]), "m": r["m"]}

@@ -64,11 +64,16 @@ class LinearConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 1
+    dot: bool = True  # M > 1: tl.dot over 16 padded rows; False: the GEMV form over next_pow2(M) rows
 
 
-# Measured winners, (kind, N_out, K, swiglu) -> config, kind "gemv" (M == 1) or "dot" (M = 2..16): entries set
-# here take precedence; the rest come from the table of the current GPU (``tuned/<gpu name>.json``, written by
-# ``python -m baton.ops.linear.bench --tune --write-table``). Shapes in neither take ``_heuristic_config``.
+# Measured winners, (kind, N_out, K, swiglu) -> config, kind "gemv" (M == 1), "few" (M = 2..FEW_MAX_M) or "dot"
+# (M = 2..16; what "few" falls back to): entries set here take precedence; the rest come from the table of the
+# current GPU (``tuned/<gpu name>.json``, written by ``python -m baton.ops.linear.bench --tune --write-table``).
+# Shapes in neither take ``_heuristic_config``. A "few" entry may choose ``dot=False``: the verify's 4 to 9 rows
+# then take the GEMV form with every row in registers, not tl.dot over 16 padded rows (on the H200 a SmolLM2 NEXTN
+# verify spends 2.3x the plain step's linear time at M = 4 through tl.dot, 2026-11-30 census).
+FEW_MAX_M = 8
 TUNED: dict[tuple[str, int, int, bool], LinearConfig] = {}
 TUNED_DIR = Path(__file__).with_name("tuned")
 
@@ -149,13 +154,21 @@ def _heuristic_config(m: int, n_out: int, k: int, swiglu: bool) -> LinearConfig:
 
 def pick_config(m: int, n_out: int, k: int, swiglu: bool = False) -> LinearConfig:
     """The config for x [m, k] and n_out output columns: a tuned entry if the shape has one, else the buckets."""
-    kind = "gemv" if m == 1 else "dot"
-    key = (kind, n_out, k, swiglu)
-    if key in TUNED:
-        return TUNED[key]
     name = _current_device_name()
     table = _device_table(name) if name else {}
-    return table.get(key) or _heuristic_config(m, n_out, k, swiglu)
+    for kind in table_kinds(m):
+        key = (kind, n_out, k, swiglu)
+        cfg = TUNED.get(key) or table.get(key)
+        if cfg is not None and (cfg.dot or m <= FEW_MAX_M):
+            return cfg
+    return _heuristic_config(m, n_out, k, swiglu)
+
+
+def table_kinds(m: int) -> tuple[str, ...]:
+    """The table kinds a call with ``m`` rows looks up, in order."""
+    if m == 1:
+        return ("gemv",)
+    return ("few", "dot") if m <= FEW_MAX_M else ("dot",)
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -211,14 +224,19 @@ def _load_h(x_ptr, nw_ptr, offs_m, offs_k, m_mask, k_hi, rstd, stride_xm,
 
 
 @triton.jit
-def _mac(acc, h, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc += h @ w.T: [BLOCK_M, BLOCK_N] through tl.dot, or (M == 1) the [BLOCK_N, BLOCK_K] partial products.
-    The interpreter's dot multiplies bf16 bit patterns as integers, so there it runs on exact fp32 copies."""
+def _mac(acc, h, w, USE_DOT: tl.constexpr, ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+         INTERPRET: tl.constexpr):
+    """acc += h @ w.T: [BLOCK_M, BLOCK_N] through tl.dot; or, without it, [BLOCK_M, BLOCK_N] from each chunk's
+    row-times-tile products reduced over K (ROWS: a few rows), or (M == 1) the [BLOCK_N, BLOCK_K] partial
+    products, reduced once after the loop. The interpreter's dot multiplies bf16 bit patterns as integers, so
+    there it runs on exact fp32 copies."""
     if USE_DOT:
         if INTERPRET:
             acc = tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    elif ROWS:
+        acc = acc + tl.sum(h.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     else:
         acc = acc + w.to(tl.float32) * h.to(tl.float32)
     return acc
@@ -262,6 +280,7 @@ def linear_kernel(
     Y_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
     H_DTYPE: tl.constexpr = w_ptr.dtype.element_ty
     K_MASK: tl.constexpr = (K % BLOCK_K != 0) or (K_PER_SPLIT % BLOCK_K != 0)
+    ROWS: tl.constexpr = (BLOCK_M > 1) and not USE_DOT  # a few rows, GEMV form
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -292,7 +311,7 @@ def linear_kernel(
             sumsq += tl.sum(xs * xs, axis=1)
         rstd = tl.rsqrt(sumsq / K + eps)
 
-    if USE_DOT:
+    if USE_DOT or ROWS:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -304,12 +323,12 @@ def linear_kernel(
             w_up_next = _load_w(w_ptr, up_off, k0 + BLOCK_K, k_hi, BLOCK_K, K_MASK)
         offs_k = k0 + tl.arange(0, BLOCK_K)
         h = _load_h(x_ptr, nw_ptr, offs_m, offs_k, m_mask, k_hi, rstd, stride_xm, HAS_NORM, H_DTYPE, INTERPRET)
-        acc = _mac(acc, h, w, USE_DOT, DOT_PRECISION, INTERPRET)
+        acc = _mac(acc, h, w, USE_DOT, ROWS, DOT_PRECISION, INTERPRET)
         w = w_next
         if SWIGLU:
-            acc_up = _mac(acc_up, h, w_up, USE_DOT, DOT_PRECISION, INTERPRET)
+            acc_up = _mac(acc_up, h, w_up, USE_DOT, ROWS, DOT_PRECISION, INTERPRET)
             w_up = w_up_next
-    if not USE_DOT:
+    if not USE_DOT and not ROWS:
         acc = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
         if SWIGLU:
             acc_up = tl.sum(acc_up, axis=1)[None, :]
@@ -380,8 +399,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | N
         if res2.stride(-1) != 1:
             res2 = res2.contiguous()
     cfg = config or pick_config(m, n_out, k, swiglu)
-    use_dot = m > 1
-    block_m = 16 if use_dot else 1
+    use_dot = m > 1 and cfg.dot
+    block_m = 16 if use_dot else _pow2_at_least(m)
     if use_dot:
         assert cfg.block_n >= 16 and cfg.block_k >= 16, "tl.dot needs BLOCK_N, BLOCK_K >= 16"
     n_blocks = triton.cdiv(n_out, cfg.block_n)
