@@ -19,29 +19,35 @@ def test_table_round_trip_and_pick(tmp_path, monkeypatch):
     assert path == str(tmp_path / "fake-gpu-9000.json")
     table = fast.read_table(tmp_path / "fake-gpu-9000.json")
     assert table[("gemv", 2560, 4096, False)].block_n == 8
-    assert table[("few", 2560, 4096, False)].block_n == 16  # M = 2..FEW_MAX_M
-    assert table[("dot", 2560, 4096, False)].block_n == 32
+    assert table[("m8", 2560, 4096, False)].block_n == 16  # M = 5..8
+    assert table[("m16", 2560, 4096, False)].block_n == 32
     assert table[("gemv", 768, 2560, True)].block_n == 4
 
     monkeypatch.setattr(fast, "_current_device_name", lambda: "Fake GPU 9000")
     assert fast.pick_config(1, 2560, 4096) == fast.LinearConfig(8, 512, 1, 4, 1)
-    assert fast.pick_config(4, 2560, 4096) == fast.LinearConfig(16, 512, 1, 4, 1)
+    assert fast.pick_config(6, 2560, 4096) == fast.LinearConfig(16, 512, 1, 4, 1)
     assert fast.pick_config(12, 2560, 4096) == fast.LinearConfig(32, 512, 1, 4, 1)
+    assert fast.pick_config(4, 2560, 4096) == fast._heuristic_config(4, 2560, 4096, False)  # no m4, no dot entry
     assert fast.pick_config(1, 1234, 4096) == fast._heuristic_config(1, 1234, 4096, False)  # not in the table
     monkeypatch.setitem(fast.TUNED, ("gemv", 2560, 4096, False), fast.LinearConfig(2, 256))
     assert fast.pick_config(1, 2560, 4096).block_n == 2  # entries set in code take precedence
 
 
-def test_few_rows_fall_back_to_the_dot_entry_and_a_gemv_form_stays_within_few_rows(tmp_path, monkeypatch):
+def test_row_buckets_fall_back_to_a_dot_entry_which_never_takes_the_gemv_form(tmp_path, monkeypatch):
+    import json
+
     monkeypatch.setattr(fast, "TUNED_DIR", tmp_path)
-    write_table([_row(16, 576, 576, 32)], "Fake GPU 9001")  # only a dot entry (tables written before "few")
+    entry = {"kind": "dot", "n_out": 576, "k": 576, "swiglu": False, "config": fast.LinearConfig(32, 128).__dict__}
+    (tmp_path / "fake-gpu-9001.json").write_text(json.dumps({"entries": [entry]}))  # a table from before buckets
     monkeypatch.setattr(fast, "_current_device_name", lambda: "Fake GPU 9001")
-    assert fast.pick_config(4, 576, 576).block_n == 32
+    assert [fast.pick_config(m, 576, 576).block_n for m in (2, 4, 9, 16)] == [32, 32, 32, 32]
     few = fast.LinearConfig(4, 256, 1, 4, 1, dot=False)
-    monkeypatch.setitem(fast.TUNED, ("few", 576, 576, False), few)
-    assert fast.pick_config(4, 576, 576) == few
-    monkeypatch.setitem(fast.TUNED, ("dot", 999, 576, False), few)  # a GEMV-form entry never serves M > 8
+    monkeypatch.setitem(fast.TUNED, ("m4", 576, 576, False), few)
+    assert fast.pick_config(4, 576, 576) == few and fast.pick_config(5, 576, 576).block_n == 32
+    monkeypatch.setitem(fast.TUNED, ("dot", 999, 576, False), few)  # a "dot" entry is always tl.dot
     assert fast.pick_config(12, 999, 576) == fast._heuristic_config(12, 999, 576, False)
+    assert fast.table_kinds(1) == ("gemv",) and fast.table_kinds(3) == ("m4", "dot")
+    assert fast.table_kinds(8) == ("m8", "dot") and fast.table_kinds(16) == ("m16", "dot")
 
 
 def test_no_table_means_heuristics():

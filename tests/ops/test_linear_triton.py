@@ -196,7 +196,7 @@ def test_real_shapes_cuda(monkeypatch, m, shape, pdl):
 @pytest.mark.parametrize("shape", REAL_SHAPES)
 @pytest.mark.parametrize("cfg", [(4, 256, 1), (8, 128, 2), (2, 512, 1)])
 def test_few_rows_gemv_form_cuda(monkeypatch, m, shape, cfg):
-    """The GEMV form over a few rows (``dot=False``, what a tuned "few" entry may choose) at the real shapes."""
+    """The GEMV form over a few rows (``dot=False``, what a tuned row-bucket entry may choose) at the real shapes."""
     n, k, swiglu = shape
     x, w, nw, res = make(m, n, k, torch.bfloat16, device="cuda", seed=n + 3 * m)
     config = fast.LinearConfig(*cfg, 4, 1, dot=False)

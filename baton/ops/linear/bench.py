@@ -173,7 +173,7 @@ def bench_linear(shapes: list[BenchShape], dtype: torch.dtype = torch.bfloat16, 
 
 
 def _candidates(m: int, n_out: int, k: int, swiglu: bool) -> list:
-    from baton.ops.linear.triton import FEW_MAX_M, LinearConfig
+    from baton.ops.linear.triton import LinearConfig
 
     rows_per_col = 2 if swiglu else 1
     out = []
@@ -191,8 +191,8 @@ def _candidates(m: int, n_out: int, k: int, swiglu: bool) -> list:
             for split in (1, 2, 4, 8):
                 if split == 1 or (n_blocks * split <= 1024 and bk * split <= k):
                     out.append(LinearConfig(bn, bk, split, 4, 1))
-    if m <= FEW_MAX_M:  # the GEMV form over next_pow2(M) rows: products [rows, BLOCK_N, BLOCK_K] in registers
-        rows = 1 << (m - 1).bit_length()
+    rows = 1 << (m - 1).bit_length()
+    if rows <= 16:  # the GEMV form over next_pow2(M) rows: products [rows, BLOCK_N, BLOCK_K] in registers
         for bk in (64, 128, 256, 512):
             for bn in (2, 4, 8, 16):
                 n_blocks = -(-n_out // bn)
@@ -247,8 +247,8 @@ def tune_linear(shapes: list[BenchShape], dtype: torch.dtype = torch.bfloat16, m
 
 
 def write_table(rows: list[dict], device_name: str, path: str = "default") -> str:
-    """The winners of ``tune_linear`` as a table ``pick_config`` reads: M == 1 rows give the "gemv" entry,
-    M = 2..FEW_MAX_M rows the "few" entry, larger M the "dot" entry (the largest M tuned wins when several are)."""
+    """The winners of ``tune_linear`` as a table ``pick_config`` reads: M == 1 rows give the "gemv" entry, M > 1
+    rows the entry of their bucket ("m4", "m8", "m16"; the largest M tuned wins when several share one)."""
     from baton.ops.linear import triton as fast
 
     out = fast.table_path(device_name) if path == "default" else path

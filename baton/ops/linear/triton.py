@@ -67,13 +67,14 @@ class LinearConfig:
     dot: bool = True  # M > 1: tl.dot over 16 padded rows; False: the GEMV form over next_pow2(M) rows
 
 
-# Measured winners, (kind, N_out, K, swiglu) -> config, kind "gemv" (M == 1), "few" (M = 2..FEW_MAX_M) or "dot"
-# (M = 2..16; what "few" falls back to): entries set here take precedence; the rest come from the table of the
-# current GPU (``tuned/<gpu name>.json``, written by ``python -m baton.ops.linear.bench --tune --write-table``).
-# Shapes in neither take ``_heuristic_config``. A "few" entry may choose ``dot=False``: the verify's 4 to 9 rows
-# then take the GEMV form with every row in registers, not tl.dot over 16 padded rows (on the H200 a SmolLM2 NEXTN
-# verify spends 2.3x the plain step's linear time at M = 4 through tl.dot, 2026-11-30 census).
-FEW_MAX_M = 8
+# Measured winners, (kind, N_out, K, swiglu) -> config. Kind "gemv" is M == 1; "m4", "m8", "m16" are the row
+# buckets M = 2..4, 5..8, 9..16; "dot" (M = 2..16, tl.dot) is what a bucket without an entry falls back to, and
+# what tables written before the buckets hold. Entries set here take precedence; the rest come from the table of
+# the current GPU (``tuned/<gpu name>.json``, written by ``python -m baton.ops.linear.bench --tune
+# --write-table``). Shapes in neither take ``_heuristic_config``. A bucket entry may choose ``dot=False``: the
+# verify's rows then take the GEMV form with every row in registers, not tl.dot over 16 padded rows (on the H200
+# a SmolLM2 NEXTN verify at M = 4 spent 2.3x the plain step's linear time through tl.dot, 2026-11-30 census).
+ROW_BUCKETS = (4, 8, 16)
 TUNED: dict[tuple[str, int, int, bool], LinearConfig] = {}
 TUNED_DIR = Path(__file__).with_name("tuned")
 
@@ -159,16 +160,17 @@ def pick_config(m: int, n_out: int, k: int, swiglu: bool = False) -> LinearConfi
     for kind in table_kinds(m):
         key = (kind, n_out, k, swiglu)
         cfg = TUNED.get(key) or table.get(key)
-        if cfg is not None and (cfg.dot or m <= FEW_MAX_M):
+        if cfg is not None and (cfg.dot or kind != "dot"):
             return cfg
     return _heuristic_config(m, n_out, k, swiglu)
 
 
 def table_kinds(m: int) -> tuple[str, ...]:
-    """The table kinds a call with ``m`` rows looks up, in order."""
+    """The table kinds a call with ``m`` rows looks up, in order: its own, then (M > 1) the "dot" fallback."""
     if m == 1:
         return ("gemv",)
-    return ("few", "dot") if m <= FEW_MAX_M else ("dot",)
+    bucket = next(b for b in ROW_BUCKETS if m <= b) if m <= ROW_BUCKETS[-1] else ROW_BUCKETS[-1]
+    return (f"m{bucket}", "dot")
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
