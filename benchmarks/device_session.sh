@@ -11,6 +11,8 @@
 #   b  (no GGUF needed)       the speculative SmolLM2 censuses, the sampled-graph tests, the 42-layer fp8 model on
 #                             one GPU, then fp8 NEXTN at TP2
 #   g  (no GGUF needed)       exclusive censuses: SmolLM2 plain / NEXTN / DSpark (GPU 0), 42-layer fp8 (GPU 1)
+#   n  (no GGUF needed)       the argmax / RMSNorm / few-row linear kernels' GPU tests and bench, the SmolLM2 tune at
+#                             M = 4, 9 merged into the table, SmolLM2 censuses with all of it; Ling tune at M = 6
 #   p                         GPU 0: the Ling 18-layer bench; GPU 1: the whole Ling-3.0-flash with fp8 experts
 #   r  (the GGUF)             with carried data: a 30-step DSpark A/B of TF32 (GPU 0 on, GPU 1 off), the faster
 #                             setting kept; then the draft recipe in the background (NEXTN on GPU 0, DSpark on
@@ -22,7 +24,8 @@
 #                             the fused-attention A/B, censuses of plain and NEXTN SmolLM2 steps (GPU 0); the whole
 #                             Ling-3.0-flash bf16 at TP2 (one-shot all-reduce, plain and NEXTN, with the TP census);
 #                             fp8 NEXTN at TP2 if time is left
-#   d                         TP2 only: the tests, all-reduce latency, bf16 plain / NEXTN and fp8 NEXTN benches
+#   d                         TP2 only: the tests (TP_TESTS=0 skips them), all-reduce latency, bf16 plain / NEXTN
+#                             and fp8 NEXTN benches, each with rank 0's exclusive census
 #   m                         the fp8 MoE tile sweep (GPU 0) and the linear tune at M=6 (GPU 1)
 #   t                         tune the linear kernels' configs; the table comes back as nvidia-h200.json
 # Every call carries .whl (fla-core and gguf wheels, and commit.txt: `git rev-parse --short HEAD > .whl/commit.txt`).
@@ -230,6 +233,42 @@ g)  # the censuses again with exclusive attribution (PDL overlap given to the ke
         > "$R/ling42_fp8.log" 2>&1
     echo "ling42 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8.log" ) &
   wait ;;
+n)  # the code of 2026-11-30's CPU half, on the GPU (no GGUF needed): GPU 0: the compiled tests of the argmax /
+    # Markov-chain and RMSNorm kernels and of the linear GEMV form over a few rows, the graph-vs-eager tests that
+    # now run them, the argmax bench, the linear tune of SmolLM2's shapes at M = 4 and 9 (merged into this copy's
+    # table, which the censuses then read; it comes back in n.tgz), the SmolLM2 censuses; GPU 1: the Ling shapes
+    # at M = 6 (their m8 entries)
+  SMOL=(--model-path benchmarks/configs/smollm2-135m-instruct --load-format dummy)
+  D=baton/drafts/smollm2-135m-instruct
+  TABLE=baton/ops/linear/tuned/nvidia-h200.json
+  ( export CUDA_VISIBLE_DEVICES=0
+    timeout -s INT -k 10 200 python3 -m pytest -q tests/ops/test_argmax_triton.py tests/ops/test_rmsnorm_triton.py \
+        tests/ops/test_linear_table.py tests/ops/test_linear_triton.py -p no:cacheprovider -rfEs --durations=5 \
+        > "$R/kernel_tests.log" 2>&1
+    echo "kernel tests rc=$? at $((SECONDS - t0)) s" >> "$R/kernel_tests.log"
+    timeout -s INT -k 10 150 python3 -m pytest -q tests/engine/test_cuda_graphs.py -k "dspark or llama_nextn" \
+        -p no:cacheprovider -rfEs --durations=5 > "$R/graph_tests.log" 2>&1
+    echo "graph tests rc=$? at $((SECONDS - t0)) s" >> "$R/graph_tests.log"
+    timeout 60 python3 -m baton.ops.argmax.bench --json "$R/argmax_bench.json" > "$R/argmax_bench.log" 2>&1
+    timeout 120 python3 -m baton.ops.linear.bench --tune --m 4 9 --only smol --json "$R/linear_tune_smol.json" \
+        --write-table "$TABLE" > "$R/linear_tune_smol.log" 2>&1
+    cp "$TABLE" "$R/nvidia-h200.json"
+    for alg in none NEXTN DSPARK; do
+      case $alg in
+        none) spec=(--speculative-algorithm none) ;;
+        NEXTN) spec=(--speculative-algorithm NEXTN --speculative-draft-model-path $D/nextn --speculative-num-steps 3
+                     --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --speculative-simulate-accept-len 2.97) ;;
+        DSPARK) spec=(--speculative-algorithm DSPARK --speculative-draft-model-path $D/dspark
+                      --speculative-num-draft-tokens 9 --speculative-simulate-accept-len 2.90) ;;
+      esac
+      timeout 60 python3 -m baton census "${SMOL[@]}" "${spec[@]}" --input-len 512 --num-steps 200 \
+          --output-file "$R/census_smollm2_$alg.jsonl" > "$R/census_smollm2_$alg.log" 2>&1
+      echo "census rc=$? at $((SECONDS - t0)) s" >> "$R/census_smollm2_$alg.log"
+    done ) &
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout ${TUNE_S:-450} python3 -m baton.ops.linear.bench --tune --m 6 --only ling --json "$R/linear_tune_ling6.json" \
+        --write-table "$R/nvidia-h200-ling-m6.json" > "$R/linear_tune_ling6.log" 2>&1 ) &
+  wait ;;
 m)  # the fp8 MoE tiles (issue 9's largest loss at T=1): sweep at T=1 and 6 on GPU 0; the winners go into
     # FP8_CONFIGS in baton/ops/moe/triton.py; GPU 1 meanwhile: the rest of the linear tune at M=6 (verify shapes)
   CUDA_VISIBLE_DEVICES=0 timeout ${MOE_S:-400} python3 -m baton.ops.moe.bench --fp8 --sweep --tokens 1 6 \
@@ -244,7 +283,7 @@ t)  # tune the decode-shape linear kernels (the census's largest loss): commit t
   CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -m baton.ops.linear.bench --tune --m 1 6 16 --json "$R/linear_tune.json" \
       --write-table "$R/nvidia-h200.json" > "$R/linear_tune.log" 2>&1 ;;
 d)
-  tp_gpu_tests
+  [ "${TP_TESTS:-1}" = 1 ] && tp_gpu_tests  # TP_TESTS=0: the benches (and their exclusive censuses) only
   export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=120  # a hang dumps rank 0's Python stacks (timeout -s ABRT)
   BATON_TP_ALLREDUCE=auto timeout -s ABRT 50 python3 -m baton.ops.allreduce.bench --tp-size 2 \
       --json "$R/allreduce.json" > "$R/allreduce.log" 2>&1

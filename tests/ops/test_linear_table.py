@@ -32,6 +32,11 @@ def test_table_round_trip_and_pick(tmp_path, monkeypatch):
     monkeypatch.setitem(fast.TUNED, ("gemv", 2560, 4096, False), fast.LinearConfig(2, 256))
     assert fast.pick_config(1, 2560, 4096).block_n == 2  # entries set in code take precedence
 
+    write_table([_row(1, 2560, 4096, 4), _row(3, 576, 576, 16)], "Fake GPU 9000")  # a later tune merges in
+    table = fast.read_table(tmp_path / "fake-gpu-9000.json")
+    assert table[("gemv", 2560, 4096, False)].block_n == 4 and table[("m4", 576, 576, False)].block_n == 16
+    assert table[("m16", 2560, 4096, False)].block_n == 32 and len(table) == 5  # the others stay
+
 
 def test_row_buckets_fall_back_to_a_dot_entry_which_never_takes_the_gemv_form(tmp_path, monkeypatch):
     import json

@@ -248,11 +248,16 @@ def tune_linear(shapes: list[BenchShape], dtype: torch.dtype = torch.bfloat16, m
 
 def write_table(rows: list[dict], device_name: str, path: str = "default") -> str:
     """The winners of ``tune_linear`` as a table ``pick_config`` reads: M == 1 rows give the "gemv" entry, M > 1
-    rows the entry of their bucket ("m4", "m8", "m16"; the largest M tuned wins when several share one)."""
+    rows the entry of their bucket ("m4", "m8", "m16"; the largest M tuned wins when several share one). An
+    existing table at the path is merged into: its entries for other shapes and kinds stay."""
     from baton.ops.linear import triton as fast
 
     out = fast.table_path(device_name) if path == "default" else path
     entries: dict[tuple, dict] = {}
+    if os.path.isfile(out):
+        with open(out) as f:
+            for e in json.load(f).get("entries", []):
+                entries[(e["kind"], e["n_out"], e["k"], e["swiglu"])] = e
     for r in sorted(rows, key=lambda r: r["m"]):
         kind = fast.table_kinds(r["m"])[0]
         entries[(kind, r["n_out"], r["k"], r["swiglu"])] = {
