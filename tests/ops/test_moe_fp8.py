@@ -53,7 +53,8 @@ def _moe_triton():
 
 @pytest.mark.parametrize("num_tokens", [1, 3])
 @pytest.mark.parametrize("limit", [0.0, 4.0])
-def test_fp8_fused_experts_match_dequantised_reference(num_tokens, limit):
+@pytest.mark.parametrize("tile", [(16, 32), (64, 256), (128, 64)])  # a chunk within, or across, scale blocks
+def test_fp8_fused_experts_match_dequantised_reference(num_tokens, limit, tile):
     mt = _moe_triton()
     from baton.ops.moe.naive import fused_experts
 
@@ -68,7 +69,7 @@ def test_fp8_fused_experts_match_dequantised_reference(num_tokens, limit):
     residual = torch.randn(num_tokens, d, generator=gen)
     ref = fused_experts(x, dequantize_fp8_gate_up(q13, s13, torch.float32), dequantize_fp8_block(q2, s2, torch.float32),
                         ids, weights, limit) + residual
-    cfg = mt.MoEConfig(up=mt.MoETile(16, 32, 4, 2), down=mt.MoETile(16, 32, 4, 2))
+    cfg = mt.MoEConfig(up=mt.MoETile(*tile, 4, 2), down=mt.MoETile(*tile, 4, 2))
     to = lambda t: t.to(DEVICE)  # noqa: E731
     out = mt.fused_experts_decode(to(x), to(q13), to(q2), to(ids), to(weights), limit, residual=to(residual),
                                   config=cfg, w13_scale=to(s13), w2_scale=to(s2))
@@ -91,7 +92,8 @@ def test_fp8_reference_dispatch_dequantises():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1, 6])
-def test_fp8_fused_experts_ling_shapes(num_tokens):
+@pytest.mark.parametrize("tile", [None, (16, 256), (32, 512)])  # None: FP8_CONFIGS
+def test_fp8_fused_experts_ling_shapes(num_tokens, tile):
     mt = _moe_triton()
     from baton.ops.moe.naive import fused_experts_dense_gather
 
@@ -103,5 +105,6 @@ def test_fp8_fused_experts_ling_shapes(num_tokens):
     ids = torch.stack([torch.randperm(e, device=DEVICE)[:k] for _ in range(num_tokens)])
     weights = torch.rand(num_tokens, k, device=DEVICE) + 0.1
     ref = fused_experts_dense_gather(x, dequantize_fp8_gate_up(q13, s13), dequantize_fp8_block(q2, s2), ids, weights)
-    out = mt.fused_experts_decode(x, q13, q2, ids, weights, w13_scale=s13, w2_scale=s2)
+    cfg = None if tile is None else mt.MoEConfig(up=mt.MoETile(*tile, 4, 4), down=mt.MoETile(*tile, 4, 4))
+    out = mt.fused_experts_decode(x, q13, q2, ids, weights, config=cfg, w13_scale=s13, w2_scale=s2)
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2

@@ -142,16 +142,18 @@ ALIGNED_CONFIGS: dict[int, MoEConfig] = {
 }
 
 
-# fp8 experts (direct path): BLOCK_K must divide the 128-wide scale blocks; fp8 rows are half the bytes, so the same
-# bytes per program take twice the rows. Keyed by T as DIRECT_CONFIGS. H200 (benchmarks/results/h200-2026-11-30b):
+# fp8 experts (direct path): BLOCK_N must divide the 128-row scale blocks (a program's rows share one scale row,
+# and the scales multiply the activation chunk, not the weight tile: since 2026-11-30, when BLOCK_K was tied to the
+# 128 columns and every weight took a multiply); fp8 rows are half the bytes, so the same bytes per program take
+# twice the rows. Keyed by T as DIRECT_CONFIGS. H200 (benchmarks/results/h200-2026-11-30b):
 #   T=6: the winner of `python -m baton.ops.moe.bench --fp8 --sweep --tokens 1 6 --routes uniform` (4 layers cold,
 #        graphs, PDL): 126.9 -> 112.6 us (46 distinct experts, 2.41 TB/s); in the 42-layer model the NEXTN verify
 #        graph went 9.24 -> 8.68 ms at TP2.
 #   T=1: the sweep's winner, up (16, 128, 8 warps, 4), measured 34.1 us alone against 41.2, but in the whole model it
 #        made things slower: the TP2 draft graph 1577 -> 1654 us and the one-GPU plain step 5.71 -> 6.51 ms. So T=1
-#        keeps the starting tiles until an A/B inside the model says otherwise. Even at 34 us the fp8 kernel reads its
-#        half bytes no faster than the bf16 kernel reads twice as many (28.5 us): it is latency-bound, its BLOCK_K
-#        tied to the 128-wide scale blocks.
+#        keeps the starting tiles until an A/B inside the model says otherwise. Even at 34 us the fp8 kernel read its
+#        half bytes no faster than the bf16 kernel reads twice as many (28.5 us): a multiply per weight element and
+#        BLOCK_K <= 128. Both are gone since (scales on the activations); these tiles are not re-swept yet.
 FP8_BLOCK = 128
 FP8_CONFIG = MoEConfig(up=MoETile(32, 128, 4, 4), down=MoETile(32, 128, 4, 4))
 FP8_CONFIGS: dict[int, MoEConfig] = {
@@ -305,6 +307,11 @@ def moe_up_direct_kernel(
     wg_ptrs = w13_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     wu_ptrs = wg_ptrs + INTER * stride_wn
     x_ptrs = x_ptr + tok * stride_xt + offs_k
+    if HAS_SCALE:  # BLOCK_N divides SB: the program's rows share one scale row (gate and up quantised apart)
+        up_row0: tl.constexpr = (INTER + SB - 1) // SB
+        nb = (pid_n * BLOCK_N) // SB
+        sg_ptr = s_ptr + e * stride_se + nb * stride_sn
+        su_ptr = s_ptr + e * stride_se + (up_row0 + nb) * stride_sn
     acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):  # explicit: GEMV loads are not dot operands
@@ -313,13 +320,13 @@ def moe_up_direct_kernel(
         m = mask_n[:, None] & mk[None, :]
         wg = tl.load(wg_ptrs + k0, mask=m, other=0.0).to(tl.float32)
         wu = tl.load(wu_ptrs + k0, mask=m, other=0.0).to(tl.float32)
-        if HAS_SCALE:  # block scales applied in registers; BLOCK_K divides SB so one scale column per chunk
-            s_row = s_ptr + e * stride_se + (k0 // SB)
-            wg = wg * tl.load(s_row + (offs_n // SB) * stride_sn, mask=mask_n, other=0.0)[:, None]
-            up_row0: tl.constexpr = (INTER + SB - 1) // SB  # gate and up are quantised separately (checkpoint parts)
-            wu = wu * tl.load(s_row + (up_row0 + offs_n // SB) * stride_sn, mask=mask_n, other=0.0)[:, None]
-        acc_g += wg * xk[None, :]
-        acc_u += wu * xk[None, :]
+        if HAS_SCALE:  # the scales multiply the activations ([BLOCK_K]), not every weight ([BLOCK_N, BLOCK_K])
+            kb = (k0 + offs_k) // SB
+            acc_g += wg * (xk * tl.load(sg_ptr + kb, mask=mk, other=0.0))[None, :]
+            acc_u += wu * (xk * tl.load(su_ptr + kb, mask=mk, other=0.0))[None, :]
+        else:
+            acc_g += wg * xk[None, :]
+            acc_u += wu * xk[None, :]
     act = _swiglu(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), limit, HAS_LIMIT)
     tl.store(act_ptr + pair * stride_at + offs_n, act, mask=mask_n)
 
@@ -349,6 +356,8 @@ def moe_down_direct_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     w_rows = offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     num_k: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
+    if HAS_SCALE:  # BLOCK_N divides SB: the program's rows share one scale row
+        s_row = s_ptr + ((pid_n * BLOCK_N) // SB) * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for it in tl.range(0, TOPK * num_k, num_stages=NUM_STAGES):  # experts x K-blocks: the pipeline spans experts
         j = it // num_k
@@ -359,9 +368,8 @@ def moe_down_direct_kernel(
         a = tl.load(act_ptr + (tok * TOPK + j) * stride_at + k0 + offs_k, mask=mk, other=0.0).to(tl.float32)
         w = tl.load(w2_ptr + e * stride_we + w_rows + k0, mask=mask_n[:, None] & mk[None, :], other=0.0)
         w = w.to(tl.float32)
-        if HAS_SCALE:
-            s_col = s_ptr + e * stride_se + k0 // SB
-            w = w * tl.load(s_col + (offs_n // SB) * stride_sn, mask=mask_n, other=0.0)[:, None]
+        if HAS_SCALE:  # the scales multiply the activations, not every weight
+            a = a * tl.load(s_row + e * stride_se + (k0 + offs_k) // SB, mask=mk, other=0.0)
         acc += w * (a * rw)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_SHARED:
@@ -374,7 +382,7 @@ def moe_down_direct_kernel(
 def _scale_args(scale: torch.Tensor | None, tile: MoETile) -> dict:
     if scale is None:
         return {}
-    assert FP8_BLOCK % tile.block_k == 0, "fp8 tiles must divide the 128-wide scale blocks"
+    assert FP8_BLOCK % tile.block_n == 0, "fp8 tiles: BLOCK_N must divide the 128-row scale blocks"
     return dict(s_ptr=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), HAS_SCALE=True, SB=FP8_BLOCK)
 
 
