@@ -154,6 +154,9 @@ class Tokenizer:
         return f"Tokenizer({self.name_or_path!r}, vocab_size={self.vocab_size}, eos_token_ids={eos})"
 
 
+ID_TOKENIZER = "token-ids"  # IdTokenizer's name; /model_info reports it (with vocab_size) as tokenizer_path
+
+
 class IdTokenizer:
     """A stand-in for models served without tokenizer files (dummy weights): text is token ids.
 
@@ -168,7 +171,7 @@ class IdTokenizer:
         self._vocab_size = vocab_size
         self.eos_token_ids: set[int] = set() if eos_token_id is None else {int(eos_token_id)}
         self.eos_token_id = eos_token_id
-        self.name_or_path = "token-ids"
+        self.name_or_path = ID_TOKENIZER
         self.hf = None
         self._backend = self
 

@@ -26,9 +26,11 @@
 #                             fp8 NEXTN at TP2 if time is left
 #   d                         TP2 only: the tests (TP_TESTS=0 skips them), all-reduce latency, bf16 plain / NEXTN
 #                             and fp8 NEXTN benches, each with rank 0's exclusive census
+#   s                         baton serve + baton bench at TP2, the whole Ling-3.0-flash shape (MODES, TP)
 #   m                         the fp8 MoE tile sweep (GPU 0) and the linear tune at M=6 (GPU 1)
 #   t                         tune the linear kernels' configs; the table comes back as nvidia-h200.json
-# Every call carries .whl (fla-core and gguf wheels, and commit.txt: `git rev-parse --short HEAD > .whl/commit.txt`).
+# Every call carries .whl (the wheels the image lacks: fla-core, gguf, fastapi, starlette, uvicorn, pydantic and
+# their own needs; and commit.txt: `git rev-parse --short HEAD > .whl/commit.txt`).
 #
 # The GGUF (98 MB) does not fit one call beside the 23 MB tree: .carry0, .carry1, .carry2 each hold a third
 # ({part, index, nparts, sha256}; `split -n 3 -d -a 2 <gguf> p.`), so the first three calls of a session carry
@@ -269,6 +271,15 @@ n)  # the code of 2026-11-30's CPU half, on the GPU (no GGUF needed): GPU 0: the
     timeout ${TUNE_S:-450} python3 -m baton.ops.linear.bench --tune --m 6 --only ling --json "$R/linear_tune_ling6.json" \
         --write-table "$R/nvidia-h200-ling-m6.json" > "$R/linear_tune_ling6.log" 2>&1 ) &
   wait ;;
+s)  # the serving path at TP2 (issue 6 asks for `baton bench`): baton serve + baton bench on the whole
+    # Ling-3.0-flash shape, dummy weights, 8192 in / 1024 out, concurrency 1 (fastapi / uvicorn travel in .whl).
+    # MODES="plain nextn dspark-shaped", TP=4 on a 4-GPU machine for issue 8.
+  for mode in ${MODES:-plain nextn}; do
+    MODEL=ling-3.0-flash TP=${TP:-2} MODE=$mode NUM_PROMPTS=${NUM_PROMPTS:-2} PORT=$((30000 + RANDOM % 1000)) \
+        timeout ${S_S:-270} bash benchmarks/serve_bench.sh "$R" > "$R/serve_bench_$mode.log" 2>&1
+    echo "serve bench $mode rc=$? at $((SECONDS - t0)) s" >> "$R/serve_bench_$mode.log"
+    pkill -f "baton serve" 2>/dev/null; sleep 3  # a server left by a timeout (its ranks follow it)
+  done ;;
 m)  # the fp8 MoE tiles (issue 9's largest loss at T=1): sweep at T=1 and 6 on GPU 0; the winners go into
     # FP8_CONFIGS in baton/ops/moe/triton.py; GPU 1 meanwhile: the rest of the linear tune at M=6 (verify shapes)
   CUDA_VISIBLE_DEVICES=0 timeout ${MOE_S:-400} python3 -m baton.ops.moe.bench --fp8 --sweep --tokens 1 6 \

@@ -802,16 +802,25 @@ async def _tokenizer_path(args: argparse.Namespace, base_url: str, headers: dict
         return args.tokenizer
     info = await _get_json(f"{base_url}/model_info", headers)
     if isinstance(info, dict) and (path := info.get("tokenizer_path") or info.get("model_path")):
+        if path == "token-ids" and info.get("vocab_size"):  # baton serving a model without tokenizer files
+            return f"token-ids:{int(info['vocab_size'])}"
         return str(path)
     return model
 
 
 def load_bench_tokenizer(path: str | None) -> Tokenizer:
-    """baton's tokenizer (``"embedded"`` or no path: the served model's own), else ``AutoTokenizer``."""
+    """baton's tokenizer (``"embedded"`` or no path: the served model's own), ``token-ids:V`` (a model served
+    without tokenizer files, whose text is token ids: baton's IdTokenizer over V ids), else ``AutoTokenizer``."""
     try:
-        from baton.tokenizer import load_tokenizer
+        from baton.tokenizer import IdTokenizer, load_tokenizer
     except ImportError:
-        load_tokenizer = None
+        IdTokenizer = load_tokenizer = None  # noqa: N806
+    if path is not None and path.startswith("token-ids"):
+        vocab = path.partition(":")[2]
+        if not vocab.isdigit() or IdTokenizer is None:
+            raise BenchError("--tokenizer token-ids:VOCAB_SIZE (needs baton installed): the served model's "
+                             "vocabulary size, for a server whose text is token ids")
+        return IdTokenizer(int(vocab))
     if path in (None, "", "embedded"):
         if load_tokenizer is None:
             raise BenchError("the server reports an embedded tokenizer; pass --tokenizer")

@@ -119,9 +119,14 @@ class Engine:
             self.drafter.reset()
 
     def model_info(self) -> dict:
-        return {"model_path": self.model_path, "tokenizer_path": self.tokenizer_path, "is_generation": True,
+        from baton.tokenizer import ID_TOKENIZER, IdTokenizer
+
+        info = {"model_path": self.model_path, "tokenizer_path": self.tokenizer_path, "is_generation": True,
                 "model_type": self.model_config.model_type, "served_model_name": self.served_model_name,
                 "context_length": self.context_length}
+        if isinstance(self.tokenizer, IdTokenizer):  # no tokenizer files (dummy weights): text is token ids
+            info.update(tokenizer_path=ID_TOKENIZER, vocab_size=self.tokenizer.vocab_size)
+        return info
 
     def server_info(self) -> dict:
         args = self.server_args

@@ -485,3 +485,18 @@ def test_ready_check_times_out(tmp_path: Path) -> None:
     argv = ["--port", str(port), "--ready-check-timeout-sec", "1", "--output-file", str(tmp_path / "o.jsonl")]
     with pytest.raises(BenchError, match="not ready"):
         _run(add_bench_args(argparse.ArgumentParser()).parse_args(argv))
+
+
+def test_token_ids_tokenizer_for_a_server_without_tokenizer_files(ling_path: str) -> None:
+    """A dummy-weight model served without tokenizer files reports ``token-ids`` and its vocabulary in
+    /model_info; the bench then counts tokens with baton's IdTokenizer (the TP2 serve + bench runs need it)."""
+    from baton.config import ServerArgs
+    from baton.engine.engine import Engine
+    from baton.tokenizer import IdTokenizer
+
+    info = Engine(ServerArgs(model_path=ling_path, device="cpu", disable_cuda_graph=True)).model_info()
+    assert info["tokenizer_path"] == "token-ids" and info["vocab_size"] > 0
+    tok = serving.load_bench_tokenizer(f"token-ids:{info['vocab_size']}")
+    assert isinstance(tok, IdTokenizer) and tok.encode(tok.decode([5, 17])) == [5, 17]
+    with pytest.raises(BenchError, match="token-ids:VOCAB_SIZE"):
+        serving.load_bench_tokenizer("token-ids")
