@@ -7,8 +7,8 @@
 #   MODEL=DIR TP=2 MODE=nextn NUM_PROMPTS=3 bash benchmarks/serve_bench.sh OUT_DIR
 #   MODEL=ling-3.0-flash ...   the whole Ling-3.0-flash config (baton/data), written to a temporary directory
 #
-# MODE: plain, nextn (NEXTN (5, 1, 6) at simulated accept ACCEPT=3.25), or dspark-shaped (a block-16 draft shape
-# at ACCEPT=9.95: NEXTN with 15 steps, the verify width of the seed's DSpark runs). IN / OUT: prompt and output
+# MODE: plain, nextn (NEXTN (5, 1, 6) at simulated accept ACCEPT=3.25), or dspark-shaped (a random DSpark draft of
+# block 16, DSPARK_LAYERS=2 layers, at simulated accept ACCEPT=9.95: the shape of the seed's DSpark runs). IN / OUT: prompt and output
 # lengths (8192 / 1024); EXTRA_SERVE_ARGS goes to `baton serve` (e.g. "--quantization fp8"). Writes
 # OUT_DIR/serve_MODE.log and OUT_DIR/bench_MODE.jsonl; the server is stopped at the end.
 set -euo pipefail
@@ -25,8 +25,11 @@ case $mode in
   plain) spec=() ;;
   nextn) spec=(--speculative-algorithm NEXTN --speculative-num-steps 5 --speculative-eagle-topk 1
                --speculative-num-draft-tokens 6 --speculative-simulate-accept-len "${ACCEPT:-3.25}") ;;
-  dspark-shaped) spec=(--speculative-algorithm NEXTN --speculative-num-steps 15 --speculative-eagle-topk 1
-                       --speculative-num-draft-tokens 16 --speculative-simulate-accept-len "${ACCEPT:-9.95}") ;;
+  dspark-shaped)  # a random DSpark draft of block 16 (DSPARK_LAYERS layers) for the target, at ACCEPT=9.95
+    baton convert random-draft --target "$model" --algorithm DSPARK --output "$model/dspark-draft" --block-size 16 \
+        --num-layers "${DSPARK_LAYERS:-2}" > /dev/null
+    spec=(--speculative-algorithm DSPARK --speculative-draft-model-path "$model/dspark-draft"
+          --speculative-simulate-accept-len "${ACCEPT:-9.95}") ;;
   *) echo "MODE: plain, nextn or dspark-shaped" >&2; exit 2 ;;
 esac
 port=${PORT:-30000}
