@@ -811,16 +811,20 @@ async def _tokenizer_path(args: argparse.Namespace, base_url: str, headers: dict
 def load_bench_tokenizer(path: str | None) -> Tokenizer:
     """baton's tokenizer (``"embedded"`` or no path: the served model's own), ``token-ids:V`` (a model served
     without tokenizer files, whose text is token ids: baton's IdTokenizer over V ids), else ``AutoTokenizer``."""
-    try:
-        from baton.tokenizer import IdTokenizer, load_tokenizer
-    except ImportError:
-        IdTokenizer = load_tokenizer = None  # noqa: N806
     if path is not None and path.startswith("token-ids"):
         vocab = path.partition(":")[2]
-        if not vocab.isdigit() or IdTokenizer is None:
+        try:
+            from baton.tokenizer import IdTokenizer
+        except ImportError:
+            vocab = ""
+        if not vocab.isdigit():
             raise BenchError("--tokenizer token-ids:VOCAB_SIZE (needs baton installed): the served model's "
                              "vocabulary size, for a server whose text is token ids")
         return IdTokenizer(int(vocab))
+    try:
+        from baton.tokenizer import load_tokenizer
+    except ImportError:
+        load_tokenizer = None
     if path in (None, "", "embedded"):
         if load_tokenizer is None:
             raise BenchError("the server reports an embedded tokenizer; pass --tokenizer")
