@@ -230,13 +230,25 @@ def run_dspark(ns: argparse.Namespace, target=None):
                                                         "alphas": list(dopts.loss_alphas())})
 
 
-def cmd_data(ns: argparse.Namespace) -> int:
+def data_server_args(ns: argparse.Namespace):
+    """The target's ServerArgs for data generation: plain decoding, also for the embedded model, whose shipped
+    drafts are otherwise on by default (the recipe's data step failed on that, 2026-11-30). None when the command
+    line asks for speculation."""
     from baton.cli import server_args_from
+    from baton.spec.shipped import DISABLE
+
+    requested = ns.speculative_algorithm
+    if (requested is not None and requested.lower() not in DISABLE) or ns.speculative_draft_model_path:
+        return None
+    return server_args_from(argparse.Namespace(**{**vars(ns), "speculative_algorithm": "none"}))
+
+
+def cmd_data(ns: argparse.Namespace) -> int:
     from baton.engine.engine import Engine
     from baton.train.data import DataOptions, build_dataset, build_dataset_parallel
 
-    args = server_args_from(ns)
-    if args.spec.enabled:
+    args = data_server_args(ns)
+    if args is None:
         print("baton train data: generation uses plain decoding; drop the --speculative-* flags", file=sys.stderr)
         return 2
     opts = DataOptions(output=ns.output, data_path=ns.data_path, extra_prompts=ns.extra_prompts,

@@ -75,3 +75,18 @@ def test_workers_write_the_same_files(tmp_path, target_path, prompts_file):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["one.jsonl", "one.holdout.jsonl", "one.jsonl.summary.json", "two.jsonl", "two.holdout.jsonl",
          "two.jsonl.summary.json"])
+
+
+def test_data_generation_is_plain_decoding_even_for_the_embedded_model():
+    """The embedded model speculates with its shipped drafts by default; `baton train data` must not (the recipe's
+    data step refused to run, 2026-11-30), and still refuses an explicit speculative request."""
+    from baton.cli import build_parser
+    from baton.train.cli import data_server_args
+
+    parser = build_parser()
+    ns = parser.parse_args(["train", "data", "--output", "x.jsonl", "--device", "cpu"])
+    args = data_server_args(ns)
+    assert args is not None and args.is_embedded and not args.spec.enabled
+    ns = parser.parse_args(["train", "data", "--output", "x.jsonl", "--speculative-algorithm", "NEXTN"])
+    assert data_server_args(ns) is None
+    assert baton_main(["train", "data", "--output", "x.jsonl", "--speculative-algorithm", "NEXTN"]) == 2
