@@ -31,6 +31,7 @@ queue with CUDA IPC) if one host thread ever becomes the bottleneck; at batch 1 
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -44,6 +45,8 @@ from baton.layers.context import ForwardContext
 from baton.models.base import CausalLM
 from baton.train.common import Sample
 from baton.types import ForwardMode
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -147,6 +150,9 @@ class TargetFeatures:
                 for r, ids in enumerate(seqs)]
 
 
+CLOSE_TIMEOUT_S = 600.0  # FeaturePrefetcher.close: the longest a batch of target forwards may still take
+
+
 class FeaturePrefetcher:
     """Iterate ``batches`` as lists of (sample, Features on ``out_device``), computed ``depth`` batches ahead
     by a worker thread. Exceptions in the worker re-raise in the consumer; ``close`` stops the worker."""
@@ -210,8 +216,14 @@ class FeaturePrefetcher:
             yield
 
     def close(self) -> None:
+        """Stop after the batch in progress and wait for it: a daemon thread still inside a target forward at
+        interpreter exit aborts the process (``terminate called without an active exception``; a CPU recipe run
+        whose time budget cut training while a 40 s batch was being computed, 2026-11-30)."""
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=CLOSE_TIMEOUT_S)
+        if self._thread.is_alive():
+            log.warning("the target-feature worker is still computing after %.0f s; exiting without it",
+                        CLOSE_TIMEOUT_S)
 
     def __enter__(self) -> FeaturePrefetcher:
         return self

@@ -90,3 +90,28 @@ def test_prefetcher_reraises_and_stops(target):
     with FeaturePrefetcher(provider, many, CPU, depth=2) as pf:
         first = next(iter(pf))
     assert first[0][0].ids == [3, 4, 5, 0] and not pf._thread.is_alive()
+
+
+def test_close_waits_for_the_batch_in_flight(target, monkeypatch):
+    """A training run cut short (time budget) closes the prefetcher while the worker computes a batch; close
+    waits for it, bounded by CLOSE_TIMEOUT_S: a daemon thread still in a torch op at interpreter exit aborted a
+    CPU recipe run (2026-11-30). The old bound was 10 s, so a slow batch outlived it."""
+    import time
+
+    from baton.train import online
+
+    provider = TargetFeatures(target.model, CPU)
+    real_many = provider.many
+
+    def slow_many(seqs):
+        time.sleep(0.6)
+        return real_many(seqs)
+
+    monkeypatch.setattr(provider, "many", slow_many)
+    monkeypatch.setattr(online, "CLOSE_TIMEOUT_S", 5.0)
+    many = ([Sample([3, 4, 5, i % 90], 1)] for i in range(100))
+    pf = FeaturePrefetcher(provider, many, CPU, depth=1)
+    next(iter(pf))  # the worker is now inside the next batch's slow forward
+    t0 = time.perf_counter()
+    pf.close()
+    assert not pf._thread.is_alive() and time.perf_counter() - t0 < 5.0
