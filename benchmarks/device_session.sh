@@ -70,6 +70,23 @@ tp_gpu_tests() {
       > "$R/tp_gpu_tests.log" 2>&1
   echo "tp tests rc=$? at $((SECONDS - t0)) s" >> "$R/tp_gpu_tests.log"
 }
+# One census of a SmolLM2 step on dummy weights at its config (a replay's time does not depend on the weights'
+# values; speculation at the GSM8K accept lengths, simulated): smol_census ALG NAME [TIMEOUT_S], ALG none, NEXTN
+# (the shipped head, (3, 1, 4)) or DSPARK (the shipped drafter, gamma 8); writes $R/census_smollm2_NAME.{jsonl,log}.
+smol_census() {
+  local alg=$1 name=$2 d=baton/drafts/smollm2-135m-instruct spec
+  case $alg in
+    none) spec=(--speculative-algorithm none) ;;
+    NEXTN) spec=(--speculative-algorithm NEXTN --speculative-draft-model-path $d/nextn --speculative-num-steps 3
+                 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --speculative-simulate-accept-len 2.97) ;;
+    DSPARK) spec=(--speculative-algorithm DSPARK --speculative-draft-model-path $d/dspark
+                  --speculative-num-draft-tokens 9 --speculative-simulate-accept-len 2.90) ;;
+  esac
+  timeout "${3:-60}" python3 -m baton census --model-path benchmarks/configs/smollm2-135m-instruct --load-format dummy \
+      "${spec[@]}" --input-len 512 --num-steps 200 --output-file "$R/census_smollm2_$name.jsonl" \
+      > "$R/census_smollm2_$name.log" 2>&1
+  echo "census rc=$? at $((SECONDS - t0)) s" >> "$R/census_smollm2_$name.log"
+}
 case $phase in
 p)
   ( export CUDA_VISIBLE_DEVICES=0
@@ -153,8 +170,6 @@ e)
 a)  # no GGUF needed: SmolLM2's step times on dummy weights at its config (timing does not depend on the values;
     # speculation at the GSM8K accept lengths, simulated). GPU 0: the new kernels' tests and graph tests, then the
     # censuses; GPU 1: the linear tune at M=6 for SmolLM2's shapes, then the fp8 MoE tile sweep.
-  SMOL=(--model-path benchmarks/configs/smollm2-135m-instruct --load-format dummy)
-  D=baton/drafts/smollm2-135m-instruct
   ( export CUDA_VISIBLE_DEVICES=0
     timeout -s INT -k 10 150 python3 -m pytest -q tests/ops/test_attention_triton.py tests/ops/test_attention_fused.py \
         -p no:cacheprovider -rfEs --durations=5 > "$R/attention_tests.log" 2>&1
@@ -163,18 +178,8 @@ a)  # no GGUF needed: SmolLM2's step times on dummy weights at its config (timin
         -p no:cacheprovider -rfEs --durations=10 > "$R/graph_tests.log" 2>&1
     echo "graph tests rc=$? at $((SECONDS - t0)) s" >> "$R/graph_tests.log"
     for run in none:0 none:1 NEXTN:0 NEXTN:1 DSPARK:1 DSPARK:0; do
-      alg=${run%%:*}; f=${run##*:}
-      case $alg in
-        none) spec=(--speculative-algorithm none) ;;
-        NEXTN) spec=(--speculative-algorithm NEXTN --speculative-draft-model-path $D/nextn --speculative-num-steps 3
-                     --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --speculative-simulate-accept-len 2.97) ;;
-        DSPARK) spec=(--speculative-algorithm DSPARK --speculative-draft-model-path $D/dspark
-                      --speculative-num-draft-tokens 9 --speculative-simulate-accept-len 2.90) ;;
-      esac
       [ $((SECONDS - t0)) -gt 480 ] && break
-      BATON_FUSED_ATTENTION=$f timeout 50 python3 -m baton census "${SMOL[@]}" "${spec[@]}" --input-len 512 \
-          --num-steps 200 --output-file "$R/census_smollm2_${alg}_fused$f.jsonl" > "$R/census_smollm2_${alg}_fused$f.log" 2>&1
-      echo "census rc=$? at $((SECONDS - t0)) s" >> "$R/census_smollm2_${alg}_fused$f.log"
+      BATON_FUSED_ATTENTION=${run##*:} smol_census "${run%%:*}" "${run%%:*}_fused${run##*:}" 50
     done ) &
   ( export CUDA_VISIBLE_DEVICES=1
     timeout 200 python3 -m baton.ops.linear.bench --tune --m 6 --only smol --json "$R/linear_tune_smol_m6.json" \
@@ -187,20 +192,8 @@ a)  # no GGUF needed: SmolLM2's step times on dummy weights at its config (timin
 b)  # after phase a's tunings landed (the smol M=6 linear entries, FP8_CONFIGS): GPU 0: the speculative SmolLM2
     # censuses again (dummy weights; DSpark's needed the simulated-accept fix) and the sampled-graph tests; GPU 1:
     # the whole Ling-3.0-flash with fp8 experts on one GPU; then fp8 NEXTN at TP2
-  SMOL=(--model-path benchmarks/configs/smollm2-135m-instruct --load-format dummy)
-  D=baton/drafts/smollm2-135m-instruct
   ( export CUDA_VISIBLE_DEVICES=0
-    for alg in NEXTN DSPARK; do
-      case $alg in
-        NEXTN) spec=(--speculative-algorithm NEXTN --speculative-draft-model-path $D/nextn --speculative-num-steps 3
-                     --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --speculative-simulate-accept-len 2.97) ;;
-        DSPARK) spec=(--speculative-algorithm DSPARK --speculative-draft-model-path $D/dspark
-                      --speculative-num-draft-tokens 9 --speculative-simulate-accept-len 2.90) ;;
-      esac
-      timeout 60 python3 -m baton census "${SMOL[@]}" "${spec[@]}" --input-len 512 --num-steps 200 \
-          --output-file "$R/census_smollm2_$alg.jsonl" > "$R/census_smollm2_$alg.log" 2>&1
-      echo "census rc=$? at $((SECONDS - t0)) s" >> "$R/census_smollm2_$alg.log"
-    done
+    for alg in NEXTN DSPARK; do smol_census $alg $alg; done
     timeout -s INT -k 10 200 python3 -m pytest -q tests/engine/test_cuda_graphs.py -k "sampled" \
         -p no:cacheprovider -rfEs --durations=10 > "$R/sampled_graph_tests.log" 2>&1
     echo "sampled graph tests rc=$? at $((SECONDS - t0)) s" >> "$R/sampled_graph_tests.log" ) &
@@ -215,21 +208,8 @@ b)  # after phase a's tunings landed (the smol M=6 linear entries, FP8_CONFIGS):
   echo "tp2 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_fp8_nextn.log" ;;
 g)  # the censuses again with exclusive attribution (PDL overlap given to the kernel that started first) and the top
     # kernels: SmolLM2 plain / NEXTN / DSpark on dummy weights (GPU 0), the 42-layer fp8 model on one GPU (GPU 1)
-  SMOL=(--model-path benchmarks/configs/smollm2-135m-instruct --load-format dummy)
-  D=baton/drafts/smollm2-135m-instruct
   ( export CUDA_VISIBLE_DEVICES=0
-    for alg in none NEXTN DSPARK; do
-      case $alg in
-        none) spec=(--speculative-algorithm none) ;;
-        NEXTN) spec=(--speculative-algorithm NEXTN --speculative-draft-model-path $D/nextn --speculative-num-steps 3
-                     --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --speculative-simulate-accept-len 2.97) ;;
-        DSPARK) spec=(--speculative-algorithm DSPARK --speculative-draft-model-path $D/dspark
-                      --speculative-num-draft-tokens 9 --speculative-simulate-accept-len 2.90) ;;
-      esac
-      timeout 60 python3 -m baton census "${SMOL[@]}" "${spec[@]}" --input-len 512 --num-steps 200 \
-          --output-file "$R/census_smollm2_$alg.jsonl" > "$R/census_smollm2_$alg.log" 2>&1
-      echo "census rc=$? at $((SECONDS - t0)) s" >> "$R/census_smollm2_$alg.log"
-    done ) &
+    for alg in none NEXTN DSPARK; do smol_census $alg $alg; done ) &
   ( export CUDA_VISIBLE_DEVICES=1
     OUT=$R timeout ${G_S:-220} python3 benchmarks/bench_ling_flash.py --num-layers 42 --quantization fp8 --num-requests 1 \
         > "$R/ling42_fp8.log" 2>&1
@@ -240,8 +220,6 @@ n)  # the code of 2026-11-30's CPU half, on the GPU (no GGUF needed): GPU 0: the
     # now run them, the argmax bench, the linear tune of SmolLM2's shapes at M = 4 and 9 (merged into this copy's
     # table, which the censuses then read; it comes back in n.tgz), the SmolLM2 censuses; GPU 1: the Ling shapes
     # at M = 6 (their m8 entries)
-  SMOL=(--model-path benchmarks/configs/smollm2-135m-instruct --load-format dummy)
-  D=baton/drafts/smollm2-135m-instruct
   TABLE=baton/ops/linear/tuned/nvidia-h200.json
   ( export CUDA_VISIBLE_DEVICES=0
     timeout -s INT -k 10 200 python3 -m pytest -q tests/ops/test_argmax_triton.py tests/ops/test_rmsnorm_triton.py \
@@ -255,18 +233,7 @@ n)  # the code of 2026-11-30's CPU half, on the GPU (no GGUF needed): GPU 0: the
     timeout 120 python3 -m baton.ops.linear.bench --tune --m 4 9 --only smol --json "$R/linear_tune_smol.json" \
         --write-table "$TABLE" > "$R/linear_tune_smol.log" 2>&1
     cp "$TABLE" "$R/nvidia-h200.json"
-    for alg in none NEXTN DSPARK; do
-      case $alg in
-        none) spec=(--speculative-algorithm none) ;;
-        NEXTN) spec=(--speculative-algorithm NEXTN --speculative-draft-model-path $D/nextn --speculative-num-steps 3
-                     --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 --speculative-simulate-accept-len 2.97) ;;
-        DSPARK) spec=(--speculative-algorithm DSPARK --speculative-draft-model-path $D/dspark
-                      --speculative-num-draft-tokens 9 --speculative-simulate-accept-len 2.90) ;;
-      esac
-      timeout 60 python3 -m baton census "${SMOL[@]}" "${spec[@]}" --input-len 512 --num-steps 200 \
-          --output-file "$R/census_smollm2_$alg.jsonl" > "$R/census_smollm2_$alg.log" 2>&1
-      echo "census rc=$? at $((SECONDS - t0)) s" >> "$R/census_smollm2_$alg.log"
-    done ) &
+    for alg in none NEXTN DSPARK; do smol_census $alg $alg; done ) &
   ( export CUDA_VISIBLE_DEVICES=1
     timeout ${TUNE_S:-450} python3 -m baton.ops.linear.bench --tune --m 6 --only ling --json "$R/linear_tune_ling6.json" \
         --write-table "$R/nvidia-h200-ling-m6.json" > "$R/linear_tune_ling6.log" 2>&1 ) &
