@@ -12,6 +12,8 @@ import asyncio
 import hmac
 import json
 import logging
+import signal
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -700,7 +702,23 @@ def run_server(server_args: ServerArgs, engine_factory: Callable[[ServerArgs], A
         access_log=level in ("debug", "trace"),
         timeout_keep_alive=30,
     )
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then re-raises the signal. SIGTERM's default action would
+    # end the process on the spot, before the caller's cleanup (at TP > 1: telling the other ranks to stop, which
+    # otherwise die on a closed connection); here it becomes an exception that returns from run_server.
+    main_thread = threading.current_thread() is threading.main_thread()
+    prev = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
     try:
         _ReadyServer(config, app.state.baton.model_name, _spec_summary(server_args)).run()
-    except KeyboardInterrupt:  # uvicorn re-raises SIGINT after its graceful shutdown
+    except (KeyboardInterrupt, _Terminated):  # uvicorn re-raises the signal after its graceful shutdown
         pass
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, prev)
+
+
+class _Terminated(Exception):
+    """SIGTERM, after uvicorn's graceful shutdown."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()

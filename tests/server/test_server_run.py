@@ -54,3 +54,31 @@ def test_run_server_prints_one_ready_line() -> None:
         out, err = proc.communicate(timeout=15)
     assert proc.returncode == 0, err
     assert out == "", "only the ready line goes to stdout"
+
+
+def _serve_then_terminate(args: list[str], timeout_s: float = 120) -> tuple[int, str]:
+    """``baton serve ARGS`` until its ready line, one request, then SIGTERM (what a supervisor or `kill` sends)."""
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "baton", "serve", *args, "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE.parent.parent,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("baton ready:"), proc.stderr.read() if proc.poll() is not None else line
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}
+        r = httpx.post(f"http://127.0.0.1:{port}/generate", json=body, timeout=60)
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 4, r.text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=timeout_s)
+    return proc.returncode, err
+
+
+def test_sigterm_stops_a_tp2_server_cleanly(ling_path) -> None:
+    """At TP 2, SIGTERM (after uvicorn's graceful shutdown) must still tell rank 1 to stop: before, the re-raised
+    signal ended rank 0 on the spot and rank 1 died on a closed connection with a traceback."""
+    rc, err = _serve_then_terminate(["--model-path", ling_path, "--tp-size", "2", "--disable-cuda-graph"])
+    assert rc == 0, err
+    assert "Traceback" not in err, err

@@ -142,18 +142,19 @@ ALIGNED_CONFIGS: dict[int, MoEConfig] = {
 }
 
 
-# fp8 experts (direct path): BLOCK_N must divide the 128-row scale blocks (a program's rows share one scale row,
-# and the scales multiply the activation chunk, not the weight tile: since 2026-11-30, when BLOCK_K was tied to the
-# 128 columns and every weight took a multiply); fp8 rows are half the bytes, so the same bytes per program take
-# twice the rows. Keyed by T as DIRECT_CONFIGS. H200 (benchmarks/results/h200-2026-11-30b):
-#   T=6: the winner of `python -m baton.ops.moe.bench --fp8 --sweep --tokens 1 6 --routes uniform` (4 layers cold,
-#        graphs, PDL): 126.9 -> 112.6 us (46 distinct experts, 2.41 TB/s); in the 42-layer model the NEXTN verify
-#        graph went 9.24 -> 8.68 ms at TP2.
-#   T=1: the sweep's winner, up (16, 128, 8 warps, 4), measured 34.1 us alone against 41.2, but in the whole model it
-#        made things slower: the TP2 draft graph 1577 -> 1654 us and the one-GPU plain step 5.71 -> 6.51 ms. So T=1
-#        keeps the starting tiles until an A/B inside the model says otherwise. Even at 34 us the fp8 kernel read its
-#        half bytes no faster than the bf16 kernel reads twice as many (28.5 us): a multiply per weight element and
-#        BLOCK_K <= 128. Both are gone since (scales on the activations); these tiles are not re-swept yet.
+# fp8 experts (direct path): BLOCK_N must divide the 128-row scale blocks (a program's rows share one scale row) and
+# BLOCK_K must divide the 128-column blocks or be a multiple of them (a chunk of min(BLOCK_K, 128) columns shares one
+# scale, a scalar that multiplies the activation chunk). fp8 rows are half the bytes, so the same bytes per program
+# take twice the rows. Keyed by T as DIRECT_CONFIGS. History (H200, `python -m baton.ops.moe.bench --fp8 --sweep
+# --tokens 1 6 --routes uniform`, 4 layers cold, graphs, PDL):
+#   - scale per weight element, BLOCK_K <= 128 (to da94b90; benchmarks/results/h200-2026-11-30b): T=6 winner
+#     (64, 128, 8, 3) 112.6 us; T=1 41.2 us with the tiles below (34.1 us with the sweep's winner, which slowed the
+#     whole model, so not taken);
+#   - scales gathered per activation element, BLOCK_K free (d255682; benchmarks/results/h200-2026-11-30c): slower
+#     at every tile, T=6 225.8 us with the tiles below (136.3 us best), T=1 52.5 us (46.4 best); the TP2 fp8 steps
+#     slowed with it (NEXTN 3.13 -> 3.56 ms TPOT);
+#   - now: one scalar scale per chunk (no per-element gather, no per-weight multiply); not measured yet, the tiles
+#     are the first form's.
 FP8_BLOCK = 128
 FP8_CONFIG = MoEConfig(up=MoETile(32, 128, 4, 4), down=MoETile(32, 128, 4, 4))
 FP8_CONFIGS: dict[int, MoEConfig] = {
@@ -299,12 +300,15 @@ def moe_up_direct_kernel(
     tok = pair // TOPK
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < INTER
-    offs_k = tl.arange(0, BLOCK_K)
+    # fp8: a chunk of SUB columns shares one scale (SUB divides SB), so the scale is one scalar per chunk and
+    # multiplies the activations; a BLOCK_K past SB is taken as BLOCK_K // SB chunks of SB (unrolled)
+    SUB: tl.constexpr = SB if HAS_SCALE and BLOCK_K > SB else BLOCK_K
+    offs_k = tl.arange(0, SUB)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     e = tl.load(ids_ptr + pair).to(tl.int64)
-    wg_ptrs = w13_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    wg_ptrs = w13_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, SUB]
     wu_ptrs = wg_ptrs + INTER * stride_wn
     x_ptrs = x_ptr + tok * stride_xt + offs_k
     if HAS_SCALE:  # BLOCK_N divides SB: the program's rows share one scale row (gate and up quantised apart)
@@ -312,21 +316,23 @@ def moe_up_direct_kernel(
         nb = (pid_n * BLOCK_N) // SB
         sg_ptr = s_ptr + e * stride_se + nb * stride_sn
         su_ptr = s_ptr + e * stride_se + (up_row0 + nb) * stride_sn
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_g = tl.zeros([BLOCK_N, SUB], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, SUB], dtype=tl.float32)
     for k0 in tl.range(0, HIDDEN, BLOCK_K, num_stages=NUM_STAGES):  # explicit: GEMV loads are not dot operands
-        mk = (k0 + offs_k) < HIDDEN
-        xk = tl.load(x_ptrs + k0, mask=mk, other=0.0).to(tl.float32)
-        m = mask_n[:, None] & mk[None, :]
-        wg = tl.load(wg_ptrs + k0, mask=m, other=0.0).to(tl.float32)
-        wu = tl.load(wu_ptrs + k0, mask=m, other=0.0).to(tl.float32)
-        if HAS_SCALE:  # the scales multiply the activations ([BLOCK_K]), not every weight ([BLOCK_N, BLOCK_K])
-            kb = (k0 + offs_k) // SB
-            acc_g += wg * (xk * tl.load(sg_ptr + kb, mask=mk, other=0.0))[None, :]
-            acc_u += wu * (xk * tl.load(su_ptr + kb, mask=mk, other=0.0))[None, :]
-        else:
-            acc_g += wg * xk[None, :]
-            acc_u += wu * xk[None, :]
+        for sub in tl.static_range(BLOCK_K // SUB):
+            kk = k0 + sub * SUB
+            mk = (kk + offs_k) < HIDDEN
+            xk = tl.load(x_ptrs + kk, mask=mk, other=0.0).to(tl.float32)
+            m = mask_n[:, None] & mk[None, :]
+            wg = tl.load(wg_ptrs + kk, mask=m, other=0.0).to(tl.float32)
+            wu = tl.load(wu_ptrs + kk, mask=m, other=0.0).to(tl.float32)
+            if HAS_SCALE:  # one scalar per chunk and projection, on the activations ([SUB]), not the weights
+                ok = kk < HIDDEN
+                acc_g += wg * (xk * tl.load(sg_ptr + kk // SB, mask=ok, other=0.0))[None, :]
+                acc_u += wu * (xk * tl.load(su_ptr + kk // SB, mask=ok, other=0.0))[None, :]
+            else:
+                acc_g += wg * xk[None, :]
+                acc_u += wu * xk[None, :]
     act = _swiglu(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), limit, HAS_LIMIT)
     tl.store(act_ptr + pair * stride_at + offs_n, act, mask=mask_n)
 
@@ -344,7 +350,8 @@ def moe_down_direct_kernel(
     tok = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < HIDDEN
-    offs_k = tl.arange(0, BLOCK_K)
+    SUB: tl.constexpr = SB if HAS_SCALE and BLOCK_K > SB else BLOCK_K  # as in the up kernel
+    offs_k = tl.arange(0, SUB)
     jj = tl.arange(0, BLOCK_TOPK)
     mj = jj < TOPK
     # Router outputs: written two launches back, complete once the up kernel (which triggers after its own wait)
@@ -354,23 +361,27 @@ def moe_down_direct_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    w_rows = offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    w_rows = offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, SUB]
     num_k: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
     if HAS_SCALE:  # BLOCK_N divides SB: the program's rows share one scale row
         s_row = s_ptr + ((pid_n * BLOCK_N) // SB) * stride_sn
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, SUB], dtype=tl.float32)
     for it in tl.range(0, TOPK * num_k, num_stages=NUM_STAGES):  # experts x K-blocks: the pipeline spans experts
         j = it // num_k
         k0 = (it - j * num_k) * BLOCK_K
         e = tl.sum(tl.where(jj == j, ids, 0), axis=0)
         rw = tl.sum(tl.where(jj == j, tw, 0.0), axis=0)
-        mk = (k0 + offs_k) < INTER
-        a = tl.load(act_ptr + (tok * TOPK + j) * stride_at + k0 + offs_k, mask=mk, other=0.0).to(tl.float32)
-        w = tl.load(w2_ptr + e * stride_we + w_rows + k0, mask=mask_n[:, None] & mk[None, :], other=0.0)
-        w = w.to(tl.float32)
-        if HAS_SCALE:  # the scales multiply the activations, not every weight
-            a = a * tl.load(s_row + e * stride_se + (k0 + offs_k) // SB, mask=mk, other=0.0)
-        acc += w * (a * rw)[None, :]
+        for sub in tl.static_range(BLOCK_K // SUB):
+            kk = k0 + sub * SUB
+            mk = (kk + offs_k) < INTER
+            a = tl.load(act_ptr + (tok * TOPK + j) * stride_at + kk + offs_k, mask=mk, other=0.0).to(tl.float32)
+            w = tl.load(w2_ptr + e * stride_we + w_rows + kk, mask=mask_n[:, None] & mk[None, :], other=0.0)
+            w = w.to(tl.float32)
+            if HAS_SCALE:  # one scalar per chunk, on the activations
+                rw_s = rw * tl.load(s_row + e * stride_se + kk // SB, mask=kk < INTER, other=0.0)
+                acc += w * (a * rw_s)[None, :]
+            else:
+                acc += w * (a * rw)[None, :]
     y = tl.sum(acc, axis=1)
     if HAS_SHARED:
         y += tl.load(shared_ptr + tok * stride_st + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -383,6 +394,8 @@ def _scale_args(scale: torch.Tensor | None, tile: MoETile) -> dict:
     if scale is None:
         return {}
     assert FP8_BLOCK % tile.block_n == 0, "fp8 tiles: BLOCK_N must divide the 128-row scale blocks"
+    assert FP8_BLOCK % tile.block_k == 0 or tile.block_k % FP8_BLOCK == 0, \
+        "fp8 tiles: BLOCK_K must divide the 128-column scale blocks or be a multiple of them"
     return dict(s_ptr=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), HAS_SCALE=True, SB=FP8_BLOCK)
 
 
