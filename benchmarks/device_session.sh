@@ -28,6 +28,8 @@
 #                             NEXTN benches, each with rank 0's exclusive census
 #   s                         baton serve + baton bench at TP2, the whole Ling-3.0-flash shape (MODES, TP)
 #   m                         the fp8 MoE tile sweep (GPU 0) and the linear tune at M=6 (GPU 1)
+#   f                         issue 9's close-out: the MoE kernel tests and fp8 sweep (GPU 0), the TP2 linear shapes
+#                             tuned (GPU 1, merged into this copy's table), then fp8 plain / NEXTN at TP2 and on one GPU
 #   t                         tune the linear kernels' configs; the table comes back as nvidia-h200.json
 # Every call carries .whl (the wheels the image lacks: fla-core, gguf, fastapi, starlette, uvicorn, pydantic and
 # their own needs; and commit.txt: `git rev-parse --short HEAD > .whl/commit.txt`).
@@ -260,6 +262,44 @@ t)  # tune the decode-shape linear kernels (the census's largest loss): commit t
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m baton.ops.linear.bench --json "$R/linear.json" > "$R/linear.log" 2>&1
   CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -m baton.ops.linear.bench --tune --m 1 6 16 --json "$R/linear_tune.json" \
       --write-table "$R/nvidia-h200.json" > "$R/linear_tune.log" 2>&1 ;;
+f)  # issue 9's close-out and the TP2 linear shapes. GPU 0: the fp8 / bf16 MoE kernel tests compiled, then the fp8
+    # tile sweep (the scalar-scale kernel of 7ee2719); GPU 1: the linear tune of one TP2 rank's Ling shapes at M = 1
+    # and 6 (a table of their own, merged into this copy's table). Then, on both, fp8 plain and NEXTN at TP2 with
+    # rank 0's census, and the 42-layer fp8 model on one GPU (plain and NEXTN, census, peak memory).
+  TABLE=baton/ops/linear/tuned/nvidia-h200.json
+  ( export CUDA_VISIBLE_DEVICES=0
+    timeout -s INT -k 10 150 python3 -m pytest -q tests/ops/test_moe_fp8.py tests/ops/test_moe_triton.py \
+        -p no:cacheprovider -rfEs --durations=5 > "$R/moe_tests.log" 2>&1
+    echo "moe tests rc=$? at $((SECONDS - t0)) s" >> "$R/moe_tests.log"
+    timeout 120 python3 -m baton.ops.moe.bench --fp8 --sweep --tokens 1 6 --routes uniform --no-torch \
+        --json "$R/moe_fp8_sweep.jsonl" > "$R/moe_fp8_sweep.log" 2>&1
+    echo "moe sweep rc=$? at $((SECONDS - t0)) s" >> "$R/moe_fp8_sweep.log" ) &
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout ${TUNE_S:-270} python3 -m baton.ops.linear.bench --tune --tp-size 2 --only ling --m 1 6 \
+        --json "$R/linear_tune_tp2.json" --write-table "$R/nvidia-h200-tp2.json" > "$R/linear_tune_tp2.log" 2>&1
+    echo "tune rc=$? at $((SECONDS - t0)) s" >> "$R/linear_tune_tp2.log" ) &
+  wait
+  python3 - "$R/nvidia-h200-tp2.json" "$TABLE" <<'PY'  # the TP2 entries join this copy's table (other keys)
+import json, sys
+new, path = sys.argv[1], sys.argv[2]
+try:
+    extra = json.load(open(new))["entries"]
+except OSError:
+    sys.exit(0)
+table = json.load(open(path))
+keys = {(e["kind"], e["n_out"], e["k"], e["swiglu"]) for e in extra}
+table["entries"] = [e for e in table["entries"] if (e["kind"], e["n_out"], e["k"], e["swiglu"]) not in keys] + extra
+json.dump(table, open(path, "w"), indent=1)
+PY
+  cp "$TABLE" "$R/nvidia-h200.json"
+  export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=120
+  OUT=$R timeout -s ABRT ${FP8_S:-200} python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 --quantization fp8 \
+      --modes plain,nextn --num-requests 1 > "$R/tp2_fp8.log" 2>&1
+  echo "tp2 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_fp8.log"
+  left=$((560 - (SECONDS - t0)))
+  [ $left -gt 100 ] && CUDA_VISIBLE_DEVICES=0 OUT=$R timeout $left python3 benchmarks/bench_ling_flash.py --num-layers 42 \
+      --quantization fp8 --num-requests 1 > "$R/ling42_fp8.log" 2>&1
+  echo "ling42 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8.log" ;;
 d)
   [ "${TP_TESTS:-1}" = 1 ] && tp_gpu_tests  # TP_TESTS=0: the benches (and their exclusive censuses) only
   export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=120  # a hang dumps rank 0's Python stacks (timeout -s ABRT)

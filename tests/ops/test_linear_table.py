@@ -63,3 +63,16 @@ def test_no_table_means_heuristics(monkeypatch):
     monkeypatch.setattr(fast, "_current_device_name", lambda: None)  # as on CPU, where no table is read
     monkeypatch.setattr(fast, "TUNED", {})
     assert fast.pick_config(1, 2560, 4096) == fast._heuristic_config(1, 2560, 4096, False)
+
+
+def test_ling_tp_shapes_are_one_ranks_shards():
+    from baton.ops.linear.bench import LING_SHAPES, ling_tp_shapes
+
+    whole = {s.name.split(".")[-1]: s for s in LING_SHAPES}
+    tp2 = {s.name.split(".")[-1]: s for s in ling_tp_shapes(2)}
+    assert (tp2["o_proj"].n, tp2["o_proj"].k) == (2560, 2048)  # row-parallel: K halved
+    assert tp2["dense_gate_up"].n == whole["dense_gate_up"].n // 2 and tp2["dense_gate_up"].swiglu
+    assert tp2["lm_head"].n == whole["lm_head"].n // 2  # vocab-parallel
+    assert tp2["mla_in_proj"].n == 3072 + 576 + 16  # q and the gate split by heads; kv_a (576) replicated
+    assert (tp2["router"].n, tp2["router"].k) == (512, 2560)  # replicated, whole
+    assert all(s.name.startswith("ling.tp2.") for s in tp2.values())

@@ -6,7 +6,7 @@ exceed the 60 MB L2 (cold weights, as in a decode step), and the replays are tim
 per call is the median replay time over the number of calls, so it includes the in-graph launch gap, as a
 decode step pays it. GB/s counts every byte a call must move (weights, x, norm weight, residual, output).
 
-    python -m baton.ops.linear.bench [--m 1 6 16] [--json out.json] [--tune]
+    python -m baton.ops.linear.bench [--m 1 6 16] [--json out.json] [--tune] [--tp-size 2 --only ling]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from baton.ops.linear import naive
 
-__all__ = ["LING_SHAPES", "SMOL_SHAPES", "BenchShape", "bench_linear", "tune_linear", "write_table"]
+__all__ = ["LING_SHAPES", "SMOL_SHAPES", "BenchShape", "bench_linear", "ling_tp_shapes", "tune_linear", "write_table"]
 
 L2_BYTES = 60 * 2**20
 COLD_BYTES = 4 * L2_BYTES  # weight bytes cycled through per graph replay
@@ -68,6 +68,40 @@ SMOL_SHAPES = [
     BenchShape("smol.down", 576, 1536, residual=True),
     BenchShape("smol.lm_head", 49152, 576, norm=True),
 ]
+
+
+def ling_tp_shapes(tp_size: int) -> list[BenchShape]:
+    """LING_SHAPES as one rank of ``tp_size`` holds them (column-parallel N, row-parallel K and the fused
+    projections' parts divided as baton shards them): read from the model built on the meta device at that layout,
+    matching each shape to the modules that have it at TP 1. A shape no module has (the router, replicated)
+    stays whole."""
+    import re
+    from importlib import resources
+
+    from torch import nn
+
+    from baton import dist
+    from baton.config import parse_model_config
+    from baton.models.load import build_model
+
+    cfg = parse_model_config(json.loads(resources.files("baton.data").joinpath("ling-3.0-flash.config.json")
+                                        .read_text()))
+
+    def linears(size: int) -> dict[str, tuple[int, int]]:
+        with dist.layout_context(0, size):
+            model = build_model(cfg, "meta", torch.bfloat16)
+        return {n: tuple(m.weight.shape) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+
+    whole, part = linears(1), linears(tp_size)
+    out = []
+    for s in LING_SHAPES:
+        per_rank = {part[n] for n, shape in whole.items() if shape == (s.n, s.k)}
+        if len(per_rank) > 1:
+            raise ValueError(f"{s.name}: modules of shape {(s.n, s.k)} shard differently: {sorted(per_rank)}")
+        n, k = per_rank.pop() if per_rank else (s.n, s.k)
+        name = re.sub(r"^ling\.", f"ling.tp{tp_size}.", s.name)
+        out.append(BenchShape(name, n, k, s.norm, s.residual, s.swiglu, s.limit, s.m))
+    return out
 
 
 def _bytes_moved(s: BenchShape, elt: int) -> int:
@@ -293,8 +327,11 @@ def main() -> None:
     ap.add_argument("--write-table", nargs="?", const="default", default=None, metavar="PATH",
                     help="with --tune: write the winners as this GPU's table (default path: "
                          "baton/ops/linear/tuned/<gpu name>.json), which pick_config then reads")
+    ap.add_argument("--tp-size", type=int, default=1,
+                    help="the Ling shapes as one rank of this tensor-parallel size holds them (named ling.tpN.*)")
     args = ap.parse_args()
-    shapes = [s for s in LING_SHAPES + SMOL_SHAPES if args.only in s.name]
+    ling = LING_SHAPES if args.tp_size == 1 else ling_tp_shapes(args.tp_size)
+    shapes = [s for s in ling + SMOL_SHAPES if args.only in s.name]
     if args.write_table and not args.tune:
         raise SystemExit("--write-table needs --tune")
 
