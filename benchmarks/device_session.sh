@@ -28,6 +28,10 @@
 #                             NEXTN benches, each with rank 0's exclusive census
 #   s                         baton serve + baton bench at TP2, the whole Ling-3.0-flash shape (MODES, TP)
 #   m                         the fp8 MoE tile sweep (GPU 0) and the linear tune at M=6 (GPU 1)
+#   c                         only carries a GGUF part (a training session's first calls)
+#   x  (the GGUF)             issue 7: two DSpark drafters trained side by side in the background, then their reports
+#                             (benchmarks/train_more_dspark.sh); y waits for them and packs dspark_A/B + the reports.
+#                             A training session: c (+.carry0), c (+.carry1), x (+.carry2), y, y ...
 #   f                         issue 9's close-out: the MoE kernel tests and fp8 sweep (GPU 0), the TP2 linear shapes
 #                             tuned (GPU 1, merged into this copy's table), then fp8 plain / NEXTN at TP2 and on one GPU
 #   t                         tune the linear kernels' configs; the table comes back as nvidia-h200.json
@@ -262,6 +266,25 @@ t)  # tune the decode-shape linear kernels (the census's largest loss): commit t
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m baton.ops.linear.bench --json "$R/linear.json" > "$R/linear.log" 2>&1
   CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -m baton.ops.linear.bench --tune --m 1 6 16 --json "$R/linear_tune.json" \
       --write-table "$R/nvidia-h200.json" > "$R/linear_tune.log" 2>&1 ;;
+c)  # a call that only carries a part of the GGUF (a training session's first two calls)
+  ls /tmp/parts > "$R/parts.txt" ;;
+x)  # (the GGUF, carried data) issue 7: two DSpark drafters trained side by side in the background
+    # (benchmarks/train_more_dspark.sh: A from scratch with --init target on GPU 0, B the shipped drafter trained
+    # further on GPU 1, TRAIN_BUDGET s each), then STS and the GSM8K report of each; phase y waits for it
+  ls -la /tmp/SmolLM2-135M-Instruct.Q4_1.gguf > "$R/gguf.txt" 2>&1
+  mkdir -p /tmp/train && tar xzf /tmp/traindata.tgz -C /tmp/train
+  setsid nohup env GSM8K=/tmp/gsm8k GPUS=cuda:0,cuda:1 TRAIN_BUDGET=${TRAIN_BUDGET:-1000} \
+      bash benchmarks/train_more_dspark.sh /tmp/train > /tmp/train/more.log 2>&1 < /dev/null &
+  sleep 30; cp /tmp/train/more.log "$R/"; tail -3 /tmp/train/dspark_A.log /tmp/train/dspark_B.log > "$R/start.txt" 2>&1 ;;
+y)  # wait for phase x's runs (up to WAIT_S s from this call's start), then pack what exists
+  end=$((t0 + ${WAIT_S:-540}))
+  while [ $SECONDS -lt $end ] && ! grep -q "report done" /tmp/train/more.log; do sleep 10; done
+  cp /tmp/train/more.log /tmp/train/*.log "$R/" 2>/dev/null
+  for x in A B; do
+    d=/tmp/train/dspark_$x
+    [ -f $d/model.safetensors ] && tar czf "$OUT/dspark_$x.tgz" -C /tmp/train dspark_$x
+  done
+  cp /tmp/train/results/* /tmp/train/drafts_* "$R/" 2>/dev/null; ls -R /tmp/train | head -50 > "$R/ls.txt" ;;
 f)  # issue 9's close-out and the TP2 linear shapes. GPU 0: the fp8 / bf16 MoE kernel tests compiled, then the fp8
     # tile sweep (the scalar-scale kernel of 7ee2719); GPU 1: the linear tune of one TP2 rank's Ling shapes at M = 1
     # and 6 (a table of their own, merged into this copy's table). Then, on both, fp8 plain and NEXTN at TP2 with

@@ -114,6 +114,11 @@ def _add_init_arg(p: argparse.ArgumentParser, g) -> None:
     g.add_argument("--init", default=None, choices=["target", "random"],
                    help="target: NEXTN's body / DSpark's layers start as copies of the target's last decoder "
                         "layer(s); random: N(0, 1/fan_in) (default: target for NEXTN, random for DSpark)")
+    g.add_argument("--init-from", default=None, metavar="DIR",
+                   help="start from this draft checkpoint's weights (e.g. the shipped draft, to train it further) "
+                        "instead of --init; for DSpark the checkpoint also fixes the architecture (block size, "
+                        "layers, Markov rank, tapped layers, q/k norm, mask token). The learning-rate schedule "
+                        "and the optimiser state start afresh")
 
 
 def _add_dspark_args(p: argparse.ArgumentParser) -> None:
@@ -189,6 +194,8 @@ def run_nextn(ns: argparse.Namespace, target=None):
     nopts = NextNOptions(unroll_steps=ns.unroll_steps, step_decay=ns.step_decay, init=ns.init or "target",
                          init_seed=ns.seed)
     head, body_cfg = build_trainable_head(target.model, target.config, nopts, device)
+    if getattr(ns, "init_from", None):
+        _load_init_from(head, ns.init_from, "nextn", target.model)
     task = NextNTask(head, body_cfg, FrozenHead(target.model, device), nopts, device)
     samples = read_samples(ns.train_data, ns.max_seq_len)
     spec = _eval_spec(ns, target, "NEXTN", ns.eval_num_steps)
@@ -211,6 +218,46 @@ def _dspark_options(ns: argparse.Namespace):
                          qk_norm=not ns.no_qk_norm, init=ns.init or "random", init_seed=ns.seed)
 
 
+def _dspark_options_from(dopts, path: str):
+    """``dopts`` with the architecture of the DSpark / DFlash checkpoint at ``path`` (``--init-from``)."""
+    import dataclasses
+
+    from baton.config import ConfigError
+    from baton.spec.dspark_ckpt import read_dspark_config
+
+    ck = read_dspark_config(path)
+    if (ck.markov_rank > 0) != dopts.with_heads:
+        raise ConfigError(f"--init-from {path}: a {'DSpark' if ck.markov_rank else 'DFlash'} checkpoint, but the "
+                          f"run trains {'DSpark' if dopts.with_heads else 'DFlash'} (--algorithm)")
+    changed = {k: v for k, v in dict(block_size=ck.block_size, num_layers=ck.num_hidden_layers,
+                                      markov_rank=ck.markov_rank, target_layer_ids=ck.target_layer_ids,
+                                      qk_norm=ck.qk_norm, mask_token_id=ck.mask_token_id).items()
+               if getattr(dopts, k) != v}
+    if changed:
+        log.info("--init-from %s: the checkpoint's architecture replaces the command line's: %s", path, changed)
+    return dataclasses.replace(dopts, **changed)
+
+
+def _load_init_from(model, path: str, kind: str, target=None) -> None:
+    """Fill the fp32 trainable ``model`` from the checkpoint at ``path`` (its dtype converted); a tensor the
+    checkpoint lacks or shapes differently fails, naming it."""
+    from baton.config import ConfigError
+
+    if kind == "nextn":
+        from baton.spec.drafts import NEXTN_TYPE, check_vocab, load_safetensors_with_prefix, read_draft_config
+
+        data = read_draft_config(path)
+        if data.get("model_type") != NEXTN_TYPE:
+            raise ConfigError(f"--init-from {path}: model_type {data.get('model_type')!r} is not a NEXTN head")
+        check_vocab(path, data.get("vocab_size"), target)
+        load_safetensors_with_prefix(model, path)
+    else:
+        from baton.spec.dspark_ckpt import load_dspark_weights
+
+        load_dspark_weights(model, path, ignore_heads=False)
+    log.info("--init-from %s: %s weights loaded", path, kind)
+
+
 def run_dspark(ns: argparse.Namespace, target=None):
     """Train a DSpark / DFlash draft as ``ns`` says; returns the History."""
     from baton.train.common import FrozenHead, read_samples, resolve_device
@@ -220,7 +267,11 @@ def run_dspark(ns: argparse.Namespace, target=None):
     target = target or load_frozen_target(_target_args(ns))
     device = resolve_device(ns.device)
     dopts = _dspark_options(ns)
+    if getattr(ns, "init_from", None):
+        dopts = _dspark_options_from(dopts, ns.init_from)
     model, cfg = build_trainable_draft(target.config, dopts, device, target.model)
+    if getattr(ns, "init_from", None):
+        _load_init_from(model, ns.init_from, "dspark")
     task = DSparkTask(model, cfg, FrozenHead(target.model, device), dopts, device)
     samples = read_samples(ns.train_data, ns.max_seq_len)
     algorithm = "DSPARK" if dopts.with_heads else "DFLASH"

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue 7's DSpark accept length: two drafters for the embedded SmolLM2 trained side by side, then the GSM8K
+# report of each. Both keep the shipped architecture (1 layer, block 16, Markov rank 16, taps 1,27; under 20 MB
+# with the NEXTN head):
+#   A (first GPU):  from scratch, its layer initialised from the target's last layer (--init target; the init
+#                   ablation at full length);
+#   B (second GPU): the shipped drafter trained further (--init-from baton/drafts/smollm2-135m-instruct/dspark,
+#                   a fresh schedule at LR_B).
+# Data: OUT/data/gsm8k.jsonl and its holdout, made by baton/train/recipe_smollm2.sh step 1 (reused, not remade).
+# Each run: TRAIN_BUDGET seconds of optimiser steps; then STS calibration and benchmarks/bench_drafts.py (GSM8K
+# test questions, gamma 4, 8, 16, greedy and T 0.7). The one with the higher greedy accept length at gamma 8 is
+# the one to ship (copy OUT/dspark_X/{config.json,model.safetensors,sts.json} to baton/drafts/.../dspark).
+#
+#   GPUS=cuda:0,cuda:1 TRAIN_BUDGET=1000 bash benchmarks/train_more_dspark.sh OUT
+set -euo pipefail
+OUT=${1:?usage: bash benchmarks/train_more_dspark.sh OUT (with OUT/data/gsm8k.jsonl)}
+export OUT
+GSM8K=${GSM8K:-../shared/data/gsm8k}
+GPUS=${GPUS:-cuda:0,cuda:1}
+G0=${GPUS%%,*}; G1=${GPUS##*,}
+idx() { case $1 in cuda:*) echo "${1#cuda:}" ;; *) echo 0 ;; esac; }
+D=cuda:0; [ "$GPUS" = cpu ] && D=cpu
+DATA=$OUT/data/gsm8k.jsonl
+HOLD=$OUT/data/gsm8k.holdout.jsonl
+[ -s "$DATA" ] || { echo "no training data at $DATA: run baton/train/recipe_smollm2.sh step 1 first" >&2; exit 2; }
+SHIPPED=${SHIPPED:-baton/drafts/smollm2-135m-instruct/dspark}
+COMMON=(--train-data "$DATA" --epochs "${EPOCHS:-30}" --batch-size "${BATCH:-16}" --seed 0 --save-dtype bfloat16
+        --time-budget "${TRAIN_BUDGET:-1000}" --holdout-data "$HOLD" --eval-prompts "${EVAL_PROMPTS:-32}"
+        --eval-max-new-tokens "${MAX_NEW:-256}" --eval-every 0 --target-device "$D" --device "$D" --num-layers 1 --block-size 16
+        --markov-rank 16 --target-layer-ids 1,27 --num-anchors "${ANCHORS:-256}")
+t0=$SECONDS
+CUDA_VISIBLE_DEVICES=$(idx "$G0") baton train dspark "${COMMON[@]}" --lr "${LR_A:-6e-4}" --init target \
+    --output "$OUT/dspark_A" > "$OUT/dspark_A.log" 2>&1 &
+pid_a=$!
+CUDA_VISIBLE_DEVICES=$(idx "$G1") baton train dspark "${COMMON[@]}" --lr "${LR_B:-3e-4}" --init-from "$SHIPPED" \
+    --output "$OUT/dspark_B" > "$OUT/dspark_B.log" 2>&1 &
+pid_b=$!
+rc=0
+wait $pid_a || { echo "[more] A failed:"; tr "\r" "\n" < "$OUT/dspark_A.log" | tail -20; rc=1; }
+wait $pid_b || { echo "[more] B failed:"; tr "\r" "\n" < "$OUT/dspark_B.log" | tail -20; rc=1; }
+echo "[more] training done at $((SECONDS - t0)) s"
+for x in A B; do
+  g=$G0; [ $x = B ] && g=$G1
+  [ -f "$OUT/dspark_$x/model.safetensors" ] || continue
+  ( CUDA_VISIBLE_DEVICES=$(idx "$g") baton train calibrate --draft "$OUT/dspark_$x" --holdout-data "$HOLD" \
+        --output "$OUT/dspark_$x/sts.json" --target-device "$D" --device "$D" --mode greedy ${CAL_SEQS:+--max-seqs "$CAL_SEQS"} > "$OUT/calibrate_$x.log" 2>&1 \
+        || echo "[more] calibration of $x failed (see calibrate_$x.log); its report runs without STS"
+    CUDA_VISIBLE_DEVICES=$(idx "$g") python3 benchmarks/bench_drafts.py --dspark "$OUT/dspark_$x" --data-path "$GSM8K" \
+        --num-questions "${REPORT_QUESTIONS:-32}" --max-new-tokens "${MAX_NEW:-256}" --nextn-steps "" --device "$D" \
+        --output-name "drafts_gsm8k_dspark_$x" > "$OUT/report_$x.log" 2>&1 ) &
+done
+wait
+echo "[more] report done at $((SECONDS - t0)) s"
+exit $rc
