@@ -2,10 +2,10 @@
 
 Owns the process-wide TP state (``TPGroup``: rank, size, the compute group, a CPU gloo group for requests and
 flags, the registered fast all-reduce, the shared progress counters), the collectives the layers call
-(``all_reduce``, ``all_gather``; no-ops at size 1, so a single-rank run never touches torch.distributed), the
-object/flag broadcasts the engine uses to keep ranks in lockstep, and ``launch_ranks``: one process per rank
-from one command, with a supervisor that turns a rank that dies or stops making progress into a non-zero exit
-with a message naming the rank, instead of a hang.
+(``all_reduce``, ``all_gather``, ``broadcast``; no-ops at size 1, so a single-rank run never touches
+torch.distributed), the object/flag broadcasts the engine uses to keep ranks in lockstep, and ``launch_ranks``:
+one process per rank from one command, with a supervisor that turns a rank that dies or stops making progress
+into a non-zero exit with a message naming the rank, instead of a hang.
 
 Timeouts: the compute group (NCCL on CUDA, gloo on CPU) times out after ``timeout_s``; the CPU group, which
 also carries the wait for the next request while the server is idle, effectively never does, so idle ranks
@@ -87,7 +87,8 @@ def tp_size() -> int:
 @contextlib.contextmanager
 def layout_context(rank: int, size: int) -> Iterator[None]:
     """Build modules with the shapes of ``rank`` of ``size`` without a process group (loader tests, the
-    single-rank twin that dummy weights are drawn from). Collectives must not run inside."""
+    single-rank twin that dummy weights are drawn from, the DSpark draft that every rank holds whole: built at
+    ``(0, 1)``, its layers keep size 1 and never reduce). Collectives must not run inside."""
     global _STATE
     saved = _STATE
     _STATE = TPGroup(rank=rank, size=size)
@@ -236,6 +237,16 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         parts = [torch.empty_like(x) for _ in range(s.size)]
         tdist.all_gather(parts, x, group=s.group)
     return torch.cat(parts, dim=dim)
+
+
+def broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Rank ``src``'s ``x`` on every rank, in place on the compute group (a data-dependent decision that every
+    rank must take alike, e.g. DSpark's prefix length). Identity at size 1."""
+    s = _STATE
+    if s.size == 1:
+        return x
+    tdist.broadcast(x, src=src, group=s.group)
+    return x
 
 
 # ---- lockstep between ranks (CPU group) ----

@@ -6,7 +6,8 @@ The CUDA-graph path follows the same stages with the relay keeping every per-ste
 
 Under tensor parallelism (baton/engine/tp.py) every rank builds its own Engine on its own GPU and runs the same
 loop on the same requests; greedy choices come from ``model.greedy_tokens`` (an argmax across vocabulary
-shards without gathering the logits), everything else from the gathered logits, so all ranks agree.
+shards without gathering the logits), everything else from the gathered logits, so all ranks agree (a DSpark /
+DFlash draft is replicated on every rank; baton/spec/dspark.py says how its one host decision is shared).
 """
 
 from __future__ import annotations
@@ -49,9 +50,6 @@ class Engine:
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)  # Triton kernels, streams and graphs use the current device
         self.dtype = parse_dtype(args.dtype, self.device)
-        if dist.tp_size() > 1 and args.spec.algorithm in ("DSPARK", "DFLASH"):
-            raise ConfigError(f"--speculative-algorithm {args.spec.algorithm} does not support --tp-size > 1 yet; "
-                              "use NEXTN or no speculation")
         loaded = load_target(args, self.device, self.dtype)
         dist.barrier()  # tensor parallel: every rank has its weights before any collective
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer

@@ -177,9 +177,6 @@ def _check(args: ServerArgs, backend: str) -> None:
         raise ConfigError(f"--tp-size {args.tp_size}: must be at least 1")
     if backend == "nccl" and torch.cuda.device_count() < args.tp_size:
         raise ConfigError(f"--tp-size {args.tp_size} needs {args.tp_size} GPUs; {torch.cuda.device_count()} visible")
-    if args.spec.algorithm in ("DSPARK", "DFLASH"):
-        raise ConfigError(f"--speculative-algorithm {args.spec.algorithm} does not support --tp-size > 1 yet; "
-                          "use NEXTN or no speculation")
     cfg = _model_config(args)
     if cfg is not None:  # shapes that do not divide: one clear error before any rank starts
         from baton.models.load import build_model

@@ -25,6 +25,15 @@ STS file (``--speculative-dspark-confidence-sts-path``), JSON: ``{"temperatures"
 (other keys, e.g. ECE figures, are ignored), one per slot of the block size B the draft was calibrated at.
 Serving at gamma <= B (a draft trained at block size B may run with fewer query slots) uses the first gamma;
 fewer than gamma entries is an error.
+
+Tensor parallelism: the draft (backbone, Markov and confidence heads) is small and every rank holds it whole
+(built at size 1, so its layers never reduce); its inputs are replicated (the target's embedding and tapped
+residual stream are all-reduced), so every rank computes the same block. Only the target's lm_head is
+vocab-parallel: the base logits U are gathered once a round (``compute_logits``, [gamma, V]) and the Markov
+chain, greedy or sampled, runs on the full rows on every rank; that one gather beats a cross-shard argmax per
+slot, which the chain's slot-to-slot dependency would make gamma collectives in a row. A greedy DFlash block
+needs no full rows (``greedy_tokens``: one gather of each rank's (max, argmax)). The prefix length is the one
+host decision: rank 0's survivals are broadcast, so every rank verifies the same number of drafts.
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from baton import dist
 from baton.cache.kv import KVCache
 from baton.config import ConfigError, SpecConfig
 from baton.layers.linear import Linear
@@ -46,7 +56,7 @@ from baton.layers.mlp import MLP
 from baton.layers.norm import RMSNorm
 from baton.layers.rope import RotaryEmbedding
 from baton.models.base import CausalLM
-from baton.ops.argmax import argmax_rows, markov_greedy
+from baton.ops.argmax import markov_greedy
 from baton.ops.attention import attention
 from baton.spec.base import Draft, Drafter, pick_tokens
 from baton.spec.drafts import check_vocab
@@ -362,14 +372,17 @@ class DSparkDrafter(Drafter):
 
     def draft(self, anchor, anchor_pos, sampling, generator) -> Draft:
         h = self.block_hidden(anchor, anchor_pos)
-        base_logits = self.target.compute_logits(h)  # [gamma, V] fp32: U_k
         if not self.use_heads:  # DFlash: slots are independent given the context; verify the whole block
-            tokens, probs = pick_tokens(base_logits, sampling, generator)
+            if sampling.is_greedy:
+                return Draft(self.target.greedy_tokens(h), None)
+            tokens, probs = pick_tokens(self.target.compute_logits(h), sampling, generator)
             return Draft(tokens, probs)
+        base_logits = self.target.compute_logits(h)  # [gamma, V] fp32: U_k (gathered under TP)
         prop = markov_propose(base_logits, anchor, self.model.markov_head, sampling, generator)
         num = self.gamma
         if self.sps_table is not None:
-            self.last_survival = survival(self.model.confidence_logits(h, prop.prev_emb), self.sts_temperatures)
+            a = survival(self.model.confidence_logits(h, prop.prev_emb), self.sts_temperatures)
+            self.last_survival = dist.broadcast(a)  # rank 0's: every rank verifies the same prefix
             num = prefix_len(self.last_survival.tolist(), self.sps_table)
         return Draft(prop.tokens[:num], None if prop.probs is None else prop.probs[:num])
 
@@ -382,10 +395,10 @@ class DSparkDrafter(Drafter):
     def graph_draft(self, relay, arange) -> None:
         ids = torch.cat([relay.anchor, self._mask_ids])  # [gamma]
         h = self.model(self.target.embed(ids), relay.pos + arange[: self.gamma], self.caches, None)
-        base_logits = self.target.compute_logits(h)  # [gamma, V]
         if not self.use_heads:
-            relay.draft_tokens.copy_(argmax_rows(base_logits))
+            relay.draft_tokens.copy_(self.target.greedy_tokens(h))
             return
+        base_logits = self.target.compute_logits(h)  # [gamma, V] (gathered under TP: one collective a round)
         head = self.model.markov_head  # the greedy chain in 2 kernels a slot on CUDA (ops/argmax)
         relay.draft_tokens.copy_(markov_greedy(base_logits, relay.anchor, head.w1.weight, head.w2.weight))
 
@@ -466,7 +479,8 @@ def build_dspark_drafter(engine: Engine, spec: SpecConfig, max_len: int) -> DSpa
         log.info("DSpark/DFlash: gamma %d (--speculative-num-draft-tokens %d) of the draft's block size %d",
                  gamma, spec.num_draft_tokens, cfg.block_size)
     sps, sts = _scheduling(spec, gamma, use_heads)
-    model = DSparkDraftModel(cfg, with_heads=use_heads, device="meta", dtype=engine.dtype)
+    with dist.layout_context(0, 1):  # whole on every tensor-parallel rank (module docstring)
+        model = DSparkDraftModel(cfg, with_heads=use_heads, device="meta", dtype=engine.dtype)
     materialize(model, engine.device)
     load_dspark_weights(model, path, ignore_heads=not use_heads)
     model.eval()

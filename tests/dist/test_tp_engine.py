@@ -1,10 +1,12 @@
 """Tensor parallelism end to end on CPU: two gloo ranks give exactly the single-rank tokens, from the same
-checkpoint directory, for Ling (plain, NEXTN, the CUDA-graph program) and Llama (plain, a NEXTN head), greedy
-and sampled; an abort stops both ranks at the same step and the next request still agrees; ``baton generate``
-and ``baton serve`` with ``--tp-size 2`` start the ranks themselves."""
+checkpoint directory, for Ling (plain, NEXTN, DSpark with its heads and the prefix rule, DFlash, simulated
+acceptance; eager and the CUDA-graph program) and Llama (plain, a NEXTN head), greedy and sampled; an abort
+stops both ranks at the same step and the next request still agrees; ``baton generate`` and ``baton serve``
+with ``--tp-size 2`` start the ranks themselves."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -13,12 +15,15 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from baton.cli import main as baton_main
-from baton.config import ServerArgs, SpecConfig
+from baton.config import ServerArgs, SpecConfig, load_model_config
 from baton.engine.engine import Engine
 from baton.engine.tp import run_tp
+from baton.spec.dspark_ckpt import write_random_dspark_draft
 from tests.dist.ranks import call_on_all, generate_all, use_graph_program
+from tests.spec.test_dspark import _memorise_bigrams
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [3, 5, 7, 11, 13, 17, 19, 23]
@@ -34,15 +39,26 @@ def _copy(requests):
     return [(list(ids), dict(kw)) for ids, kw in requests]
 
 
-def _both(path: str, requests, setup=None, **spec):
-    """(single-rank results, two-rank results) of the same requests."""
+def _both(path: str, requests, setup=None, leader=generate_all, **spec):
+    """(single-rank results, two-rank results) of the same requests (``leader``: what rank 0 runs them with)."""
     engine = Engine(_args(path, 1, **spec))
     if setup is not None:
         setup(engine)
-    want = generate_all(engine, _copy(requests))
-    got = run_tp(_args(path, 2, **spec), generate_all, (_copy(requests),), setup=setup, rank0_in_caller=False,
+    want = leader(engine, _copy(requests))
+    got = run_tp(_args(path, 2, **spec), leader, (_copy(requests),), setup=setup, rank0_in_caller=False,
                  timeout_s=60)
     return want, got
+
+
+def eager_then_graph_program(engine, requests):
+    """Rank 0's leader: the requests on the eager path, then (every rank switched) on the graph program."""
+    eager = generate_all(engine, _copy(requests))
+    call_all = getattr(engine, "call_all", None)  # a TPEngine; a single-rank Engine has none
+    if call_all is None:
+        use_graph_program(engine)
+    else:
+        call_all(use_graph_program)
+    return eager, generate_all(engine, _copy(requests))
 
 
 def test_ling_tp2_equals_tp1_greedy_sampled_and_abort(ling_path):
@@ -78,6 +94,55 @@ def test_ling_tp2_graph_program_equals_tp1(ling_path, monkeypatch):
     requests = [(PROMPT, {**GREEDY, "max_new_tokens": 27}), (PROMPT[:5], SAMPLED)]
     want, got = _both(ling_path, requests, setup=use_graph_program, algorithm="NEXTN", num_steps=4)
     assert got == want
+
+
+@pytest.fixture(scope="module")
+def ling_drafts(ling_path, tmp_path_factory) -> dict[str, str]:
+    """Random block drafts for the tiny Ling: DSpark with its heads (the Markov head memorises the bigrams of
+    PROMPT's greedy continuation, so whole chains are accepted), DFlash without heads; and an SPS table whose
+    every extra verify token costs 20%, with STS temperatures (the prefix rule verifies 2 to 4 of the 5 drafts
+    of a greedy round, varying with the chain)."""
+    root = tmp_path_factory.mktemp("tp_drafts")
+    cfg = load_model_config(ling_path)
+    plain = generate_all(Engine(_args(ling_path, 1)), [(PROMPT, {**GREEDY, "max_new_tokens": 40})])[0][0]
+    dspark, dflash = str(root / "dspark"), str(root / "dflash")
+    write_random_dspark_draft(cfg, dspark, seed=1, block_size=5, num_layers=2, markov_rank=64)
+    _memorise_bigrams(dspark, PROMPT + plain)
+    write_random_dspark_draft(cfg, dflash, seed=2, block_size=4, num_layers=1, with_heads=False)
+    (root / "sps.json").write_text(json.dumps({"verify_tokens": list(range(1, 8)),
+                                               "step_time_ms": [10 * 1.2**i for i in range(7)]}))
+    (root / "sts.json").write_text(json.dumps({"temperatures": [0.3, 0.5, 1.0, 1.0, 2.0]}))
+    return {"DSPARK": dspark, "DFLASH": dflash, "sps": str(root / "sps.json"), "sts": str(root / "sts.json")}
+
+
+BLOCK_REQUESTS = [(PROMPT, GREEDY), (PROMPT[:5], SAMPLED)]
+
+
+def test_ling_tp2_dspark_equals_tp1_eager_and_graph_program(ling_path, ling_drafts):
+    """DSpark with the Markov chain (greedy and sampled over the gathered base logits) and the prefix rule (rank
+    0's survivals), eagerly; then the graph program's whole-block greedy chain, greedy and sampled verify."""
+    want, got = _both(ling_path, BLOCK_REQUESTS, leader=eager_then_graph_program, algorithm="DSPARK",
+                      draft_model_path=ling_drafts["DSPARK"], dspark_sps_table_path=ling_drafts["sps"],
+                      dspark_confidence_sts_path=ling_drafts["sts"])
+    assert got == want
+    for tokens, reason, num_verify in (got[0][0], got[1][0]):  # greedy, eager and graph program
+        assert reason == "length" and len(tokens) == 24 and 0 < num_verify < 23  # chains were accepted
+
+
+def test_ling_tp2_dflash_equals_tp1_eager_and_graph_program(ling_path, ling_drafts):
+    want, got = _both(ling_path, BLOCK_REQUESTS, leader=eager_then_graph_program, algorithm="DFLASH",
+                      draft_model_path=ling_drafts["DFLASH"])
+    assert got == want
+    assert got[0][0][2] > 0 and got[1][0][2] > 0
+
+
+def test_ling_tp2_dspark_simulated_accept_equals_tp1(ling_path, ling_drafts):
+    """Simulated acceptance commits the drafts themselves: the TP=2 chain must be the TP=1 chain."""
+    want, got = _both(ling_path, BLOCK_REQUESTS[:1], leader=eager_then_graph_program, algorithm="DSPARK",
+                      draft_model_path=ling_drafts["DSPARK"], simulate_accept_len=3.5)
+    assert got == want
+    for tokens, _, num_verify in (got[0][0], got[1][0]):
+        assert num_verify < len(tokens) / 2  # about 3.5 tokens a verify step
 
 
 def test_llama_tp2_equals_tp1_plain_and_nextn_head(llama_path, llama_nextn_path):

@@ -1,6 +1,8 @@
 """Tensor parallelism on two GPUs (skipped without them): the one-shot symmetric-memory all-reduce sums exactly
 like NCCL, eager and in a CUDA graph, and its bench runs; the TP=2 engine with CUDA graphs (NCCL and the
-one-shot kernel inside the captured steps) gives the TP=1 greedy tokens in fp32."""
+one-shot kernel inside the captured steps) gives the TP=1 greedy tokens in fp32, also with DSpark / DFlash block
+drafts (the gathered base logits and the Triton Markov chain inside the captured draft), simulated acceptance and
+a seeded sampled request."""
 
 from __future__ import annotations
 
@@ -8,9 +10,10 @@ import pytest
 import torch
 
 from baton import dist
-from baton.config import ServerArgs, SpecConfig
+from baton.config import ServerArgs, SpecConfig, load_model_config
 from baton.engine.engine import Engine
 from baton.engine.tp import run_tp
+from baton.spec.dspark_ckpt import write_random_dspark_draft
 from tests.dist.ranks import generate_all
 
 pytestmark = [pytest.mark.gpu,
@@ -86,3 +89,29 @@ def test_tp2_cuda_graphs_equal_tp1(ling_path, spec, allreduce, monkeypatch):
     got = run_tp(args(2), generate_all, ([(i, dict(k)) for i, k in requests],), rank0_in_caller=False,
                  timeout_s=300)
     assert got == want
+
+
+@pytest.mark.parametrize("allreduce", ["nccl", "auto"])
+@pytest.mark.parametrize("algorithm,simulate", [("DSPARK", None), ("DFLASH", None), ("DSPARK", 4.5)])
+def test_tp2_cuda_graphs_block_drafts_equal_tp1(ling_path, tmp_path, algorithm, simulate, allreduce, monkeypatch):
+    monkeypatch.setenv("BATON_TP_ALLREDUCE", allreduce)
+    draft = str(tmp_path / "draft")
+    write_random_dspark_draft(load_model_config(ling_path), draft, seed=1, block_size=6, num_layers=2,
+                              markov_rank=32, with_heads=algorithm == "DSPARK")
+    spec = dict(algorithm=algorithm, draft_model_path=draft, simulate_accept_len=simulate)
+
+    def args(tp: int) -> ServerArgs:
+        return ServerArgs(model_path=ling_path, device="cuda", dtype="float32", context_length=512, tp_size=tp,
+                          spec=SpecConfig(**spec))
+
+    requests = [([3, 5, 7, 11, 13, 17], dict(temperature=0.0, max_new_tokens=40, ignore_eos=True)),
+                ([3, 5, 7], dict(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=24, ignore_eos=True))]
+    engine = Engine(args(1))
+    assert engine.graphs is not None
+    want = generate_all(engine, [(i, dict(k)) for i, k in requests])
+    del engine
+    torch.cuda.empty_cache()
+    got = run_tp(args(2), generate_all, ([(i, dict(k)) for i, k in requests],), rank0_in_caller=False,
+                 timeout_s=300)
+    assert got == want
+    assert got[0][2] > 0

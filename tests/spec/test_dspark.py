@@ -432,6 +432,26 @@ def test_dspark_on_a_checkpoint_without_heads_is_an_error(tmp_path, targets):
         _engine(targets["ling"], spec)
 
 
+def test_draft_is_whole_on_every_tensor_parallel_rank(tmp_path, targets):
+    """Under TP the draft is replicated (built at size 1): full MLP and attention shapes, nothing that reduces;
+    only the target's lm_head is vocab-parallel (tests/dist/test_tp_engine.py runs it at TP=2)."""
+    from types import SimpleNamespace
+
+    from baton import dist
+    from baton.spec.dspark import build_dspark_drafter
+
+    draft = _draft_for(tmp_path, targets["ling"], block_size=4, num_layers=2, markov_rank=16)
+    engine = SimpleNamespace(model=_engine(targets["ling"]).model, dtype=torch.float32, device=torch.device("cpu"))
+    spec = SpecConfig(algorithm="DSPARK", draft_model_path=draft)
+    with dist.layout_context(1, 2):
+        model = build_dspark_drafter(engine, spec, 64).model
+    cfg, whole = model.config, DSparkDraftModel(model.config, with_heads=True)
+    assert {k: v.shape for k, v in model.state_dict().items()} == {k: v.shape for k, v in whole.state_dict().items()}
+    mlp = model.layers[0].mlp
+    assert mlp.gate_up_proj.weight.shape == (2 * cfg.intermediate_size, cfg.hidden_size)
+    assert mlp.down_proj.tp_size == 1  # never all-reduces
+
+
 def test_tapping_the_last_target_layer_is_an_error(tmp_path, targets):
     draft = _draft_for(tmp_path, targets["llama"], target_layer_ids=[2])
     spec = SpecConfig(algorithm="DFLASH", draft_model_path=draft, num_draft_tokens=9)
