@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from baton.cli import main as baton_main
 from baton.config import ConfigError, ServerArgs
-from baton.spec.dspark import load_sts_temperatures
+from baton.spec.dspark import DSparkDrafter, load_sts_temperatures
 from baton.train.common import FrozenHead, Sample
 from baton.train.dspark import (
     DSparkOptions,
@@ -116,6 +116,16 @@ def test_packed_forward_matches_serving_blocks(target_path):
                                        rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(out.conf_logits[rows], model.confidence_logits(h, emb), rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(out.target_logits[rows][:2], frozen.logits(feats.hidden[a : a + 2]))
+        # served at gamma 2 < B 4 the drafter still runs the whole trained block: its 2 slots are the training ones
+        drafter = DSparkDrafter(target.model, model, 2, 32, torch.float32, CPU, use_heads=True)
+        for b, a in enumerate(anchors.tolist()):
+            drafter.reset()
+            model.write_context(feats.taps[:a], torch.arange(a), drafter.caches)
+            drafter.ctx_len = a
+            h = drafter.block_hidden(ids[a], a)
+            emb = model.markov_head.w1(ids[a : a + 2])
+            torch.testing.assert_close(out.logits[4 * b : 4 * b + 2], frozen.logits(h) + model.markov_head.bias(emb),
+                                       rtol=1e-4, atol=1e-4)
 
 
 def test_target_init_copies_the_targets_last_layers(target_path):
