@@ -8,7 +8,7 @@
 #                   a fresh schedule at LR_B).
 # Data: OUT/data/gsm8k.jsonl and its holdout, made by baton/train/recipe_smollm2.sh step 1 (reused, not remade).
 # Each run: TRAIN_BUDGET seconds of optimiser steps; then STS calibration and benchmarks/bench_drafts.py (GSM8K
-# test questions, gamma 4, 8, 16, greedy and T 0.7). The one with the higher greedy accept length at gamma 8 is
+# test questions, gamma 4, 8, 16, greedy and T 0.7; B's report also runs the shipped NEXTN head at 3 steps). The one with the higher greedy accept length at gamma 8 is
 # the one to ship (copy OUT/dspark_X/{config.json,model.safetensors,sts.json} to baton/drafts/.../dspark).
 #
 #   GPUS=cuda:0,cuda:1 TRAIN_BUDGET=1000 bash benchmarks/train_more_dspark.sh OUT
@@ -40,13 +40,15 @@ wait $pid_a || { echo "[more] A failed:"; tr "\r" "\n" < "$OUT/dspark_A.log" | t
 wait $pid_b || { echo "[more] B failed:"; tr "\r" "\n" < "$OUT/dspark_B.log" | tail -20; rc=1; }
 echo "[more] training done at $((SECONDS - t0)) s"
 for x in A B; do
-  g=$G0; [ $x = B ] && g=$G1
+  g=$G0; ref=(--nextn-steps "")
+  # B's report also runs the shipped NEXTN head (3 steps): DSpark's TPOT against NEXTN's in one run (issue 7)
+  [ $x = B ] && g=$G1 && ref=(--nextn "${NEXTN:-baton/drafts/smollm2-135m-instruct/nextn}" --nextn-steps 3)
   [ -f "$OUT/dspark_$x/model.safetensors" ] || continue
   ( CUDA_VISIBLE_DEVICES=$(idx "$g") baton train calibrate --draft "$OUT/dspark_$x" --holdout-data "$HOLD" \
         --output "$OUT/dspark_$x/sts.json" --target-device "$D" --device "$D" --mode greedy ${CAL_SEQS:+--max-seqs "$CAL_SEQS"} > "$OUT/calibrate_$x.log" 2>&1 \
         || echo "[more] calibration of $x failed (see calibrate_$x.log); its report runs without STS"
     CUDA_VISIBLE_DEVICES=$(idx "$g") python3 benchmarks/bench_drafts.py --dspark "$OUT/dspark_$x" --data-path "$GSM8K" \
-        --num-questions "${REPORT_QUESTIONS:-32}" --max-new-tokens "${MAX_NEW:-256}" --nextn-steps "" --device "$D" \
+        --num-questions "${REPORT_QUESTIONS:-32}" --max-new-tokens "${MAX_NEW:-256}" "${ref[@]}" --device "$D" \
         --output-name "drafts_gsm8k_dspark_$x" > "$OUT/report_$x.log" 2>&1 ) &
 done
 wait
