@@ -277,3 +277,19 @@ def test_detok_window_stays_small(tok: Tokenizer, monkeypatch: pytest.MonkeyPatc
         detok.add([i])
     assert max(sizes) <= 4
     assert detok.text == tok.decode(ids)
+
+
+def test_a_config_only_directory_gets_token_ids_without_trying_transformers(tmp_path, caplog, capsys):
+    import logging
+
+    from baton.config import parse_model_config
+    from baton.models.load import _tokenizer_for
+    from baton.tokenizer import IdTokenizer
+    from tests.conftest import TINY_LING
+
+    (tmp_path / "config.json").write_text("{}")
+    with caplog.at_level(logging.WARNING):
+        tok = _tokenizer_for(str(tmp_path), parse_model_config(dict(TINY_LING)))
+    assert isinstance(tok, IdTokenizer)
+    assert "no tokenizer files in" in caplog.text
+    assert "transformers" not in capsys.readouterr().err  # no AutoTokenizer attempt, so none of its warnings

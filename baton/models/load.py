@@ -119,9 +119,18 @@ def _ignored_prefixes(cfg: ModelConfig) -> tuple[str, ...]:
     return ()
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
+
+
 def _tokenizer_for(path: str, cfg: ModelConfig):
+    import os
+
     from baton.tokenizer import IdTokenizer, load_tokenizer
 
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
+        # a config-only directory (dummy weights): no tokenizer to try, and no transformers warnings about it
+        log.warning("no tokenizer files in %s; using raw token ids as text", path)
+        return IdTokenizer(cfg.vocab_size, _first_eos(cfg))
     try:
         return load_tokenizer(path)
     except Exception as e:  # no tokenizer files beside a dummy config: fall back to raw token ids
