@@ -296,7 +296,13 @@ f)  # issue 9's close-out and the TP2 linear shapes. GPU 0: the fp8 / bf16 MoE k
     echo "moe tests rc=$? at $((SECONDS - t0)) s" >> "$R/moe_tests.log"
     timeout 120 python3 -m baton.ops.moe.bench --fp8 --sweep --tokens 1 6 --routes uniform --no-torch \
         --json "$R/moe_fp8_sweep.jsonl" > "$R/moe_fp8_sweep.log" 2>&1
-    echo "moe sweep rc=$? at $((SECONDS - t0)) s" >> "$R/moe_fp8_sweep.log" ) &
+    echo "moe sweep rc=$? at $((SECONDS - t0)) s" >> "$R/moe_fp8_sweep.log"
+    # one TP2 rank's experts (I = 384): the fp8 sweep, and bf16 direct beside it
+    timeout 100 python3 -m baton.ops.moe.bench --fp8 --sweep --tokens 1 6 --routes uniform --no-torch --tp-size 2 \
+        --json "$R/moe_fp8_sweep_tp2.jsonl" > "$R/moe_fp8_sweep_tp2.log" 2>&1
+    timeout 60 python3 -m baton.ops.moe.bench --modes direct --tokens 1 6 --routes uniform --no-torch --tp-size 2 \
+        --json "$R/moe_bf16_tp2.jsonl" > "$R/moe_bf16_tp2.log" 2>&1
+    echo "moe tp2 rc=$? at $((SECONDS - t0)) s" >> "$R/moe_bf16_tp2.log" ) &
   ( export CUDA_VISIBLE_DEVICES=1
     timeout ${TUNE_S:-270} python3 -m baton.ops.linear.bench --tune --tp-size 2 --only ling --m 1 6 \
         --json "$R/linear_tune_tp2.json" --write-table "$R/nvidia-h200-tp2.json" > "$R/linear_tune_tp2.log" 2>&1

@@ -117,8 +117,13 @@ def _tile_variants(mode: str) -> tuple[list, list]:
 
 def bench_moe(tokens: Sequence[int] = (1, 6, 16), layers: int = 4, cycles: int = 2, route_kinds: Sequence[str] = (
         "uniform", "correlated"), modes: Sequence[str] = ("direct", "aligned", "hybrid"), pdl: bool = True,
-        sweep: bool = False, torch_baselines: bool = True, seed: int = 0, fp8: bool = False) -> list[dict]:
-    """Time the decode MoE on CUDA with cold weights; returns one dict per measurement (also printed)."""
+        sweep: bool = False, torch_baselines: bool = True, seed: int = 0, fp8: bool = False,
+        tp_size: int = 1) -> list[dict]:
+    """Time the decode MoE on CUDA with cold weights; returns one dict per measurement (also printed).
+    ``tp_size``: the experts as one tensor-parallel rank holds them (intermediate size I / tp_size)."""
+    if INTER % tp_size or (fp8 and (INTER // tp_size) % 128):
+        raise SystemExit(f"--tp-size {tp_size}: I = {INTER} must split into whole 128-wide fp8 blocks")
+    inter = INTER // tp_size
     import baton.ops.moe.triton as mt
     from baton.ops.moe.naive import fused_experts, fused_experts_dense_gather, grouped_topk
 
@@ -132,15 +137,15 @@ def bench_moe(tokens: Sequence[int] = (1, 6, 16), layers: int = 4, cycles: int =
     weights = []
     scales = []  # fp8: (w13_scale, w2_scale) per layer
     for _ in range(layers):
-        w13 = torch.empty(E, 2 * INTER, D, device=dev, dtype=torch.bfloat16).normal_(0, D**-0.5)
-        w2 = torch.empty(E, D, INTER, device=dev, dtype=torch.bfloat16).normal_(0, INTER**-0.5)
+        w13 = torch.empty(E, 2 * inter, D, device=dev, dtype=torch.bfloat16).normal_(0, D**-0.5)
+        w2 = torch.empty(E, D, inter, device=dev, dtype=torch.bfloat16).normal_(0, inter**-0.5)
         if fp8:
             from baton.ops.quant import quantize_fp8_block, quantize_fp8_gate_up
 
             (w13, s13), (w2, s2) = quantize_fp8_gate_up(w13), quantize_fp8_block(w2)
             scales.append((s13, s2))
         weights.append((w13, w2))
-    expert_bytes = EXPERT_BYTES // 2 if fp8 else EXPERT_BYTES
+    expert_bytes = EXPERT_BYTES // tp_size // (2 if fp8 else 1)
     print(f"# {layers} layers of experts: {layers * E * expert_bytes / 1e9:.1f} GB{' fp8' if fp8 else ''}, "
           f"pdl={pdl and mt.pdl_enabled(dev)}")
     if fp8:  # the direct work list only, and the torch baselines are bf16
@@ -192,7 +197,7 @@ def bench_moe(tokens: Sequence[int] = (1, 6, 16), layers: int = 4, cycles: int =
                 if mode == "direct" and not fp8:
                     up = functools.partial(_up_direct, mt, mt.get_config(num_tokens, "direct").up, mt.pdl_enabled(dev))
                     record(num_tokens, kind, distinct, "triton-direct-up", _time_graph(calls_for(up)),
-                           bytes_per_expert=2 * INTER * D * 2)  # GB/s against the w13 bytes only
+                           bytes_per_expert=2 * inter * D * 2)  # GB/s against the w13 bytes only
                 if sweep:
                     best = _sweep(mt, mode, num_tokens, calls_for, run)
                     record(num_tokens, kind, distinct, f"triton-{mode}-best", best[0], {"config": repr(best[1])})
@@ -256,10 +261,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
     ap.add_argument("--fp8", action="store_true",
                     help="fp8 e4m3 experts with 128 x 128 block scales (the direct work list; 3.0 GB a layer)")
+    ap.add_argument("--tp-size", type=int, default=1,
+                    help="the experts as one rank of this tensor-parallel size holds them (I / tp-size wide)")
     ap.add_argument("--json", default=None, help="write one JSON line per measurement")
     args = ap.parse_args(argv)
     rows = bench_moe(args.tokens, args.layers, args.cycles, args.routes, args.modes, not args.no_pdl, args.sweep,
-                     not args.no_torch, fp8=args.fp8)
+                     not args.no_torch, fp8=args.fp8, tp_size=args.tp_size)
     if args.json:
         with open(args.json, "w") as f:
             for row in rows:
