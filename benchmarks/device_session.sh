@@ -31,7 +31,7 @@
 #   c                         only carries a GGUF part (a training session's first calls)
 #   x  (the GGUF)             issue 7: two DSpark drafters trained side by side in the background, then their reports
 #                             (benchmarks/train_more_dspark.sh); y waits for them and packs dspark_A/B + the reports.
-#                             A training session: c (+.carry0), c (+.carry1), x (+.carry2), y, y ...
+#                             A training session: C_TUNE=1 c (+.carry0), c (+.carry1), x (+.carry2), y, y ...
 #   f                         issue 9's close-out: the MoE kernel tests and fp8 sweep (GPU 0), the TP2 linear shapes
 #                             tuned (GPU 1, merged into this copy's table), then fp8 plain / NEXTN at TP2 and on one GPU
 #   t                         tune the linear kernels' configs; the table comes back as nvidia-h200.json
@@ -266,15 +266,39 @@ t)  # tune the decode-shape linear kernels (the census's largest loss): commit t
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m baton.ops.linear.bench --json "$R/linear.json" > "$R/linear.log" 2>&1
   CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -m baton.ops.linear.bench --tune --m 1 6 16 --json "$R/linear_tune.json" \
       --write-table "$R/nvidia-h200.json" > "$R/linear_tune.log" 2>&1 ;;
-c)  # a call that only carries a part of the GGUF (a training session's first two calls)
-  ls /tmp/parts > "$R/parts.txt" ;;
+c)  # a call that carries a part of the GGUF (a training session's first two calls); C_TUNE=1 also tunes SmolLM2's
+    # shapes at M = 9 (the m16 bucket: DSpark's gamma-8 verify and its 16-row draft), for phase x to merge
+  ls /tmp/parts > "$R/parts.txt"
+  if [ "${C_TUNE:-0}" = 1 ]; then
+    CUDA_VISIBLE_DEVICES=0 timeout ${TUNE_S:-200} python3 -m baton.ops.linear.bench --tune --m 9 --only smol \
+        --json "$R/linear_tune_smol_m9.json" --write-table /tmp/res/tuned-smol-m9.json > "$R/linear_tune_smol_m9.log" 2>&1
+    cp /tmp/res/tuned-smol-m9.json "$R/" 2>/dev/null
+  fi ;;
 x)  # (the GGUF, carried data) issue 7: two DSpark drafters trained side by side in the background
     # (benchmarks/train_more_dspark.sh: A from scratch with --init target on GPU 0, B the shipped drafter trained
     # further on GPU 1, TRAIN_BUDGET s each), then STS and the GSM8K report of each; phase y waits for it
   ls -la /tmp/SmolLM2-135M-Instruct.Q4_1.gguf > "$R/gguf.txt" 2>&1
   mkdir -p /tmp/train && tar xzf /tmp/traindata.tgz -C /tmp/train
-  setsid nohup env GSM8K=/tmp/gsm8k GPUS=cuda:0,cuda:1 TRAIN_BUDGET=${TRAIN_BUDGET:-1000} \
-      bash benchmarks/train_more_dspark.sh /tmp/train > /tmp/train/more.log 2>&1 < /dev/null &
+  # a private copy of the tree: later calls overwrite this one (and its tuned table) while the runs go on
+  rm -rf /tmp/repo_x && mkdir /tmp/repo_x && tar cf - --exclude='./.carry*' --exclude=./.whl . | tar xf - -C /tmp/repo_x
+  python3 - /tmp/repo_x/baton/ops/linear/tuned/nvidia-h200.json /tmp/res/tuned-smol-m*.json <<'PY'
+import json, sys  # phase c's SmolLM2 entries (if any) join the copy's table
+path, extra = sys.argv[1], []
+for fn in sys.argv[2:]:
+    try:
+        extra += json.load(open(fn))["entries"]
+    except (OSError, ValueError):
+        pass
+table = json.load(open(path))
+keys = {(e["kind"], e["n_out"], e["k"], e["swiglu"]) for e in extra}
+table["entries"] = [e for e in table["entries"] if (e["kind"], e["n_out"], e["k"], e["swiglu"]) not in keys] + extra
+json.dump(table, open(path, "w"), indent=1)
+print(f"{len(extra)} SmolLM2 entries merged")
+PY
+  cp /tmp/repo_x/baton/ops/linear/tuned/nvidia-h200.json "$R/"
+  ( cd /tmp/repo_x && setsid nohup env PYTHONPATH=/tmp/site:/tmp/repo_x GSM8K=/tmp/gsm8k GPUS=cuda:0,cuda:1 \
+      TRAIN_BUDGET=${TRAIN_BUDGET:-900} bash benchmarks/train_more_dspark.sh /tmp/train > /tmp/train/more.log 2>&1 \
+      < /dev/null & )
   sleep 30; cp /tmp/train/more.log "$R/"; tail -3 /tmp/train/dspark_A.log /tmp/train/dspark_B.log > "$R/start.txt" 2>&1 ;;
 y)  # wait for phase x's runs (up to WAIT_S s from this call's start), then pack what exists
   end=$((t0 + ${WAIT_S:-540}))
