@@ -94,9 +94,10 @@ def _time_eager(calls: Sequence[Callable[[], object]], reps: int = 3) -> float:
 def _tile_variants(mode: str) -> tuple[list, list]:
     from baton.ops.moe.triton import MoETile
 
-    if mode == "fp8":  # BLOCK_N divides the 128-row scale blocks; BLOCK_K is free (scales ride on the activations)
-        tiles = [(8, 256, 4, 4), (8, 512, 4, 3), (16, 128, 4, 4), (16, 256, 4, 4), (16, 256, 8, 3), (16, 512, 4, 3),
-                 (16, 512, 8, 3), (32, 128, 4, 4), (32, 256, 4, 3), (32, 256, 8, 3), (64, 128, 8, 3), (64, 256, 8, 3)]
+    if mode == "fp8":  # BLOCK_N divides the 128-row scale blocks; BLOCK_K divides 128 or is a multiple of it
+        tiles = [(8, 128, 4, 4), (8, 256, 4, 4), (8, 512, 4, 3), (16, 64, 4, 6), (16, 128, 4, 4), (16, 128, 8, 4),
+                 (16, 256, 4, 4), (16, 256, 8, 3), (16, 512, 4, 3), (16, 512, 8, 3), (32, 128, 4, 4), (32, 256, 4, 3),
+                 (32, 256, 8, 3), (64, 128, 8, 3), (64, 256, 8, 3)]
         return [MoETile(*t) for t in tiles], [MoETile(*t) for t in tiles]
     if mode == "direct":
         up = [MoETile(bn, bk, w, s) for bn, bk, w, s in [(8, 256, 4, 4), (16, 128, 4, 4), (16, 256, 4, 3),
