@@ -32,8 +32,9 @@
 #   x  (the GGUF)             issue 7: two DSpark drafters trained side by side in the background, then their reports
 #                             (benchmarks/train_more_dspark.sh); y waits for them and packs dspark_A/B + the reports.
 #                             A training session: C_TUNE=1 c (+.carry0), c (+.carry1), x (+.carry2), y, y ...
-#   f                         issue 9's close-out: the MoE kernel tests and fp8 sweep (GPU 0), the TP2 linear shapes
-#                             tuned (GPU 1, merged into this copy's table), then fp8 plain / NEXTN at TP2 and on one GPU
+#   f, f1                     issue 9's close-out in two calls: f: the MoE kernel tests and fp8 sweeps (one GPU's and a
+#                             TP2 rank's experts), the TP2 linear shapes tuned, then fp8 plain / NEXTN at TP2; f1: fp8 on
+#                             one GPU, then bf16 NEXTN at TP2 with the TP2 linear entries
 #   t                         tune the linear kernels' configs; the table comes back as nvidia-h200.json
 # Every call carries .whl (the wheels the image lacks: fla-core, gguf, fastapi, starlette, uvicorn, pydantic and
 # their own needs; and commit.txt: `git rev-parse --short HEAD > .whl/commit.txt`).
@@ -92,6 +93,24 @@ smol_census() {
       "${spec[@]}" --input-len 512 --num-steps 200 --output-file "$R/census_smollm2_$name.jsonl" \
       > "$R/census_smollm2_$name.log" 2>&1
   echo "census rc=$? at $((SECONDS - t0)) s" >> "$R/census_smollm2_$name.log"
+}
+# merge_table FILE: a tuned table's entries (a phase's own tune) join this copy's baton/ops/linear/tuned/nvidia-h200.json,
+# replacing entries of the same keys; the merged table is kept in $R. A missing FILE changes nothing.
+merge_table() {
+  python3 - "$1" baton/ops/linear/tuned/nvidia-h200.json <<'PY'
+import json, sys
+new, path = sys.argv[1], sys.argv[2]
+try:
+    extra = json.load(open(new))["entries"]
+except (OSError, ValueError):
+    sys.exit(0)
+table = json.load(open(path))
+keys = {(e["kind"], e["n_out"], e["k"], e["swiglu"]) for e in extra}
+table["entries"] = [e for e in table["entries"] if (e["kind"], e["n_out"], e["k"], e["swiglu"]) not in keys] + extra
+json.dump(table, open(path, "w"), indent=1)
+print(f"merged {len(extra)} tuned entries from {new}")
+PY
+  cp baton/ops/linear/tuned/nvidia-h200.json "$R/nvidia-h200.json"
 }
 case $phase in
 p)
@@ -309,50 +328,42 @@ y)  # wait for phase x's runs (up to WAIT_S s from this call's start), then pack
     [ -f $d/model.safetensors ] && tar czf "$OUT/dspark_$x.tgz" -C /tmp/train dspark_$x
   done
   cp /tmp/train/results/* /tmp/train/drafts_* "$R/" 2>/dev/null; ls -R /tmp/train | head -50 > "$R/ls.txt" ;;
-f)  # issue 9's close-out and the TP2 linear shapes. GPU 0: the fp8 / bf16 MoE kernel tests compiled, then the fp8
-    # tile sweep (the scalar-scale kernel of 7ee2719); GPU 1: the linear tune of one TP2 rank's Ling shapes at M = 1
-    # and 6 (a table of their own, merged into this copy's table). Then, on both, fp8 plain and NEXTN at TP2 with
-    # rank 0's census, and the 42-layer fp8 model on one GPU (plain and NEXTN, census, peak memory).
-  TABLE=baton/ops/linear/tuned/nvidia-h200.json
+f)  # issue 9's close-out, first call (~500 s). GPU 0: the fp8 / bf16 MoE kernel tests compiled, then the fp8 tile
+    # sweep (the scalar-scale kernel of 7ee2719); GPU 1: the fp8 sweep at one TP2 rank's experts (I = 384) with bf16
+    # direct beside it, then the linear tune of one TP2 rank's Ling shapes at M = 1 and 6 (merged into this copy's
+    # table). Then fp8 plain and NEXTN at TP2 with rank 0's census. Phase f1 follows.
   ( export CUDA_VISIBLE_DEVICES=0
     timeout -s INT -k 10 150 python3 -m pytest -q tests/ops/test_moe_fp8.py tests/ops/test_moe_triton.py \
         -p no:cacheprovider -rfEs --durations=5 > "$R/moe_tests.log" 2>&1
     echo "moe tests rc=$? at $((SECONDS - t0)) s" >> "$R/moe_tests.log"
-    timeout 120 python3 -m baton.ops.moe.bench --fp8 --sweep --tokens 1 6 --routes uniform --no-torch \
+    timeout 110 python3 -m baton.ops.moe.bench --fp8 --sweep --tokens 1 6 --routes uniform --no-torch \
         --json "$R/moe_fp8_sweep.jsonl" > "$R/moe_fp8_sweep.log" 2>&1
-    echo "moe sweep rc=$? at $((SECONDS - t0)) s" >> "$R/moe_fp8_sweep.log"
-    # one TP2 rank's experts (I = 384): the fp8 sweep, and bf16 direct beside it
+    echo "moe sweep rc=$? at $((SECONDS - t0)) s" >> "$R/moe_fp8_sweep.log" ) &
+  ( export CUDA_VISIBLE_DEVICES=1
     timeout 100 python3 -m baton.ops.moe.bench --fp8 --sweep --tokens 1 6 --routes uniform --no-torch --tp-size 2 \
         --json "$R/moe_fp8_sweep_tp2.jsonl" > "$R/moe_fp8_sweep_tp2.log" 2>&1
-    timeout 60 python3 -m baton.ops.moe.bench --modes direct --tokens 1 6 --routes uniform --no-torch --tp-size 2 \
+    timeout 40 python3 -m baton.ops.moe.bench --modes direct --tokens 1 6 --routes uniform --no-torch --tp-size 2 \
         --json "$R/moe_bf16_tp2.jsonl" > "$R/moe_bf16_tp2.log" 2>&1
-    echo "moe tp2 rc=$? at $((SECONDS - t0)) s" >> "$R/moe_bf16_tp2.log" ) &
-  ( export CUDA_VISIBLE_DEVICES=1
-    timeout ${TUNE_S:-270} python3 -m baton.ops.linear.bench --tune --tp-size 2 --only ling --m 1 6 \
-        --json "$R/linear_tune_tp2.json" --write-table "$R/nvidia-h200-tp2.json" > "$R/linear_tune_tp2.log" 2>&1
-    echo "tune rc=$? at $((SECONDS - t0)) s" >> "$R/linear_tune_tp2.log" ) &
+    echo "moe tp2 rc=$? at $((SECONDS - t0)) s" >> "$R/moe_bf16_tp2.log"
+    timeout ${TUNE_S:-150} python3 -m baton.ops.linear.bench --tune --tp-size 2 --only ling --m 1 6 \
+        --json "$R/linear_tune_tp2.json" --write-table /tmp/res/nvidia-h200-tp2.json > "$R/linear_tune_tp2.log" 2>&1
+    echo "tune rc=$? at $((SECONDS - t0)) s" >> "$R/linear_tune_tp2.log"; cp /tmp/res/nvidia-h200-tp2.json "$R/" ) &
   wait
-  python3 - "$R/nvidia-h200-tp2.json" "$TABLE" <<'PY'  # the TP2 entries join this copy's table (other keys)
-import json, sys
-new, path = sys.argv[1], sys.argv[2]
-try:
-    extra = json.load(open(new))["entries"]
-except OSError:
-    sys.exit(0)
-table = json.load(open(path))
-keys = {(e["kind"], e["n_out"], e["k"], e["swiglu"]) for e in extra}
-table["entries"] = [e for e in table["entries"] if (e["kind"], e["n_out"], e["k"], e["swiglu"]) not in keys] + extra
-json.dump(table, open(path, "w"), indent=1)
-PY
-  cp "$TABLE" "$R/nvidia-h200.json"
+  merge_table /tmp/res/nvidia-h200-tp2.json
   export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=120
   OUT=$R timeout -s ABRT ${FP8_S:-200} python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 --quantization fp8 \
       --modes plain,nextn --num-requests 1 > "$R/tp2_fp8.log" 2>&1
-  echo "tp2 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_fp8.log"
-  left=$((560 - (SECONDS - t0)))
-  [ $left -gt 100 ] && CUDA_VISIBLE_DEVICES=0 OUT=$R timeout $left python3 benchmarks/bench_ling_flash.py --num-layers 42 \
-      --quantization fp8 --num-requests 1 > "$R/ling42_fp8.log" 2>&1
-  echo "ling42 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8.log" ;;
+  echo "tp2 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_fp8.log" ;;
+f1) # issue 9's close-out, second call (~400 s): the 42-layer fp8 model on one GPU (plain and NEXTN, census, peak
+    # memory); then bf16 NEXTN at TP2 with phase f's TP2 linear entries (merged again: this call's tree is fresh)
+  merge_table /tmp/res/nvidia-h200-tp2.json
+  CUDA_VISIBLE_DEVICES=0 OUT=$R timeout 230 python3 benchmarks/bench_ling_flash.py --num-layers 42 --quantization fp8 \
+      --num-requests 1 > "$R/ling42_fp8.log" 2>&1
+  echo "ling42 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8.log"
+  export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=120
+  OUT=$R timeout -s ABRT 150 python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 --modes nextn \
+      --num-requests 1 > "$R/tp2_nextn_tuned.log" 2>&1
+  echo "tp2 nextn rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_nextn_tuned.log" ;;
 d)
   [ "${TP_TESTS:-1}" = 1 ] && tp_gpu_tests  # TP_TESTS=0: the benches (and their exclusive censuses) only
   export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=120  # a hang dumps rank 0's Python stacks (timeout -s ABRT)
