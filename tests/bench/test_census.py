@@ -39,3 +39,18 @@ def test_classify_names():
     assert classify("fused_moe_direct_kernel") == "MoE GEMM"
     assert classify("linear_kernel") == "dense GEMM"
     assert classify("elementwise_kernel") == "router / activation / glue"
+
+
+def test_plot_census_reads_bench_results_and_draws_one_bar_per_mode(tmp_path):
+    from pathlib import Path
+
+    from benchmarks.plot_census import load_bars, main
+
+    d = Path(__file__).resolve().parents[2] / "benchmarks/results/h200-2026-11-30c/d"
+    files = [str(d / "ling_flash_42l_tp2_plain.json"), str(d / "ling_flash_42l_fp8_tp2.json")]
+    bars = load_bars(files)
+    assert [b["label"] for b in bars] == ["bf16 plain", "fp8 plain", "fp8 nextn"]
+    assert bars[0]["census"]["dense GEMM"] == pytest.approx(1814.55) and bars[0]["floor_ms"] > 1.0
+    out = tmp_path / "census.png"
+    main([*files, "--output", str(out)])
+    assert out.stat().st_size > 10_000
