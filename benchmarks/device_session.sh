@@ -286,12 +286,15 @@ t)  # tune the decode-shape linear kernels (the census's largest loss): commit t
   CUDA_VISIBLE_DEVICES=0 timeout 420 python3 -m baton.ops.linear.bench --tune --m 1 6 16 --json "$R/linear_tune.json" \
       --write-table "$R/nvidia-h200.json" > "$R/linear_tune.log" 2>&1 ;;
 c)  # a call that carries a part of the GGUF (a training session's first two calls); C_TUNE=1 also tunes SmolLM2's
-    # shapes at M = 9 (the m16 bucket: DSpark's gamma-8 verify and its 16-row draft), for phase x to merge
+    # shapes at M = 9 (the m16 bucket: DSpark's gamma-8 verify and its 16-row draft; GPU 0), for phase x to merge,
+    # and takes the SmolLM2 step censuses (GPU 1)
   ls /tmp/parts > "$R/parts.txt"
   if [ "${C_TUNE:-0}" = 1 ]; then
     CUDA_VISIBLE_DEVICES=0 timeout ${TUNE_S:-200} python3 -m baton.ops.linear.bench --tune --m 9 --only smol \
-        --json "$R/linear_tune_smol_m9.json" --write-table /tmp/res/tuned-smol-m9.json > "$R/linear_tune_smol_m9.log" 2>&1
-    cp /tmp/res/tuned-smol-m9.json "$R/" 2>/dev/null
+        --json "$R/linear_tune_smol_m9.json" --write-table /tmp/res/tuned-smol-m9.json > "$R/linear_tune_smol_m9.log" 2>&1 &
+    # GPU 1 meanwhile: the SmolLM2 step censuses (dummy weights), DSpark now drafting its whole 16-slot block
+    ( export CUDA_VISIBLE_DEVICES=1; for alg in none NEXTN DSPARK; do smol_census $alg $alg 60; done ) &
+    wait; cp /tmp/res/tuned-smol-m9.json "$R/" 2>/dev/null
   fi ;;
 x)  # (the GGUF, carried data) issue 7: two DSpark drafters trained side by side in the background
     # (benchmarks/train_more_dspark.sh: A from scratch with --init target on GPU 0, B the shipped drafter trained
