@@ -296,7 +296,8 @@ c)  # a call that carries a part of the GGUF (a training session's first two cal
     ( export CUDA_VISIBLE_DEVICES=1; for alg in none NEXTN DSPARK; do smol_census $alg $alg 60; done ) &
     wait; cp /tmp/res/tuned-smol-m9.json "$R/" 2>/dev/null
   fi ;;
-x)  # (the GGUF, carried data) issue 7: two DSpark drafters trained side by side in the background
+x)  # (the GGUF, carried data) issue 7: an A/B of --batched-loss (30 steps a GPU; BATCHED=0|1 skips it), then two
+    # DSpark drafters trained side by side in the background
     # (benchmarks/train_more_dspark.sh: A from scratch with --init target on GPU 0, B the shipped drafter trained
     # further on GPU 1, TRAIN_BUDGET s each), then STS and the GSM8K report of each; phase y waits for it
   ls -la /tmp/SmolLM2-135M-Instruct.Q4_1.gguf > "$R/gguf.txt" 2>&1
@@ -318,9 +319,29 @@ json.dump(table, open(path, "w"), indent=1)
 print(f"{len(extra)} SmolLM2 entries merged")
 PY
   cp /tmp/repo_x/baton/ops/linear/tuned/nvidia-h200.json "$R/"
+  if [ -z "${BATCHED:-}" ]; then  # A/B of --batched-loss: 30 steps each, GPU 0 per sequence, GPU 1 batched
+    for b in 0 1; do
+      ( cd /tmp/repo_x && CUDA_VISIBLE_DEVICES=$b PYTHONPATH=/tmp/site:/tmp/repo_x timeout 110 python3 -m baton train \
+          dspark --train-data /tmp/train/data/gsm8k.jsonl --output /tmp/ab_batched$b --steps 30 --batch-size 16 \
+          --lr 6e-4 --log-every 10 --num-layers 1 --block-size 16 --markov-rank 16 --target-layer-ids 1,27 \
+          --num-anchors 256 --eval-prompts 0 --device cuda:0 --target-device cuda:0 \
+          $([ $b = 1 ] && echo --batched-loss) > "$R/ab_batched_$b.log" 2>&1 ) &
+    done
+    wait
+    per_step() { python3 - "$1" <<'PY'
+import re, sys
+t = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step (\d+): .*'elapsed_s': ([0-9.]+)", open(sys.argv[1]).read())}
+print(f"{(t[30] - t[10]) / 20:.3f}" if 10 in t and 30 in t else "nan")
+PY
+    }
+    off=$(per_step "$R/ab_batched_0.log"); on=$(per_step "$R/ab_batched_1.log")
+    BATCHED=$(python3 -c "import math; a,b=float('$off'),float('$on'); print(1 if not math.isnan(b) and (math.isnan(a) or b < 0.9 * a) else 0)")
+    echo "dspark s/step: per sequence $off, batched $on -> BATCHED=$BATCHED" | tee "$R/ab_batched.txt"
+  fi
+  EXTRA=""; [ "$BATCHED" = 1 ] && EXTRA="--batched-loss"
   ( cd /tmp/repo_x && setsid nohup env PYTHONPATH=/tmp/site:/tmp/repo_x GSM8K=/tmp/gsm8k GPUS=cuda:0,cuda:1 \
-      TRAIN_BUDGET=${TRAIN_BUDGET:-800} bash benchmarks/train_more_dspark.sh /tmp/train > /tmp/train/more.log 2>&1 \
-      < /dev/null & )
+      EXTRA_TRAIN_ARGS="$EXTRA" TRAIN_BUDGET=${TRAIN_BUDGET:-800} bash benchmarks/train_more_dspark.sh /tmp/train \
+      > /tmp/train/more.log 2>&1 < /dev/null & )
   sleep 30; cp /tmp/train/more.log "$R/"; tail -3 /tmp/train/dspark_A.log /tmp/train/dspark_B.log > "$R/start.txt" 2>&1 ;;
 y)  # wait for phase x's runs (up to WAIT_S s from this call's start), then pack what exists
   end=$((t0 + ${WAIT_S:-540}))

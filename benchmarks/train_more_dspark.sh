@@ -11,7 +11,7 @@
 # test questions, gamma 4, 8, 16, greedy and T 0.7; B's report also runs the shipped NEXTN head at 3 steps). The one with the higher greedy accept length at gamma 8 is
 # the one to ship (copy OUT/dspark_X/{config.json,model.safetensors,sts.json} to baton/drafts/.../dspark).
 #
-#   GPUS=cuda:0,cuda:1 TRAIN_BUDGET=1000 bash benchmarks/train_more_dspark.sh OUT
+#   GPUS=cuda:0,cuda:1 TRAIN_BUDGET=1000 [EXTRA_TRAIN_ARGS=--batched-loss] bash benchmarks/train_more_dspark.sh OUT
 set -euo pipefail
 OUT=${1:?usage: bash benchmarks/train_more_dspark.sh OUT (with OUT/data/gsm8k.jsonl)}
 export OUT
@@ -27,7 +27,7 @@ SHIPPED=${SHIPPED:-baton/drafts/smollm2-135m-instruct/dspark}
 COMMON=(--train-data "$DATA" --epochs "${EPOCHS:-30}" --batch-size "${BATCH:-16}" --seed 0 --save-dtype bfloat16
         --time-budget "${TRAIN_BUDGET:-1000}" --holdout-data "$HOLD" --eval-prompts "${EVAL_PROMPTS:-32}"
         --eval-max-new-tokens "${MAX_NEW:-256}" --eval-every 0 --target-device "$D" --device "$D" --num-layers 1 --block-size 16
-        --markov-rank 16 --target-layer-ids 1,27 --num-anchors "${ANCHORS:-256}")
+        --markov-rank 16 --target-layer-ids 1,27 --num-anchors "${ANCHORS:-256}" ${EXTRA_TRAIN_ARGS:-})
 t0=$SECONDS
 CUDA_VISIBLE_DEVICES=$(idx "$G0") baton train dspark "${COMMON[@]}" --lr "${LR_A:-6e-4}" --init target \
     --output "$OUT/dspark_A" > "$OUT/dspark_A.log" 2>&1 &

@@ -130,6 +130,10 @@ def _add_dspark_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers", type=int, default=2, help="draft depth")
     g.add_argument("--markov-rank", type=int, default=256, help="Markov head rank (0 = DFlash)")
     g.add_argument("--num-anchors", type=int, default=512, help="random anchors (blocks) per sequence")
+    g.add_argument("--batched-loss", action="store_true",
+                   help="one vocabulary pass (lm_head, Markov bias, softmaxes, loss) over the whole batch's blocks "
+                        "instead of one per sequence: fewer, larger kernels; memory for [blocks x slots of the "
+                        "batch, vocabulary] fp32 tensors")
     g.add_argument("--loss-decay-gamma", type=float, default=4.0, help="slot weight exp(-k0 / this)")
     g.add_argument("--ce-weight", type=float, default=None, help="default 0.1 (DSpark), 1.0 (DFlash)")
     g.add_argument("--tv-weight", type=float, default=None, help="default 0.9 (DSpark), 0 (DFlash)")
@@ -215,7 +219,8 @@ def _dspark_options(ns: argparse.Namespace):
     return DSparkOptions(block_size=ns.block_size, num_layers=ns.num_layers, markov_rank=rank,
                          num_anchors=ns.num_anchors, loss_decay_gamma=ns.loss_decay_gamma, alphas=alphas,
                          mask_token_id=ns.mask_token_id, target_layer_ids=ns.target_layer_ids,
-                         qk_norm=not ns.no_qk_norm, init=ns.init or "random", init_seed=ns.seed)
+                         qk_norm=not ns.no_qk_norm, init=ns.init or "random", init_seed=ns.seed,
+                         batched_loss=getattr(ns, "batched_loss", False))
 
 
 def _dspark_options_from(dopts, path: str):

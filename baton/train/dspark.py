@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,7 @@ class DSparkOptions:
     qk_norm: bool = True
     init: str = "random"  # "target": draft layer i starts as the target's decoder layer L - n + i (see below)
     init_seed: int = 0
+    batched_loss: bool = False  # one vocabulary pass (lm_head, softmax, loss) over the whole batch's rows
 
     @property
     def with_heads(self) -> bool:
@@ -243,24 +245,46 @@ class BlockOutputs:
 def block_outputs(model: DSparkDraftModel, frozen: FrozenHead, ids: torch.Tensor, prompt_len: int,
                   feats: Features, anchors: torch.Tensor) -> BlockOutputs:
     """Teacher-forced draft outputs for the blocks at ``anchors`` of the sequence ``ids`` [T]."""
-    cfg = model.config
-    gamma = cfg.block_size
-    blocks = make_blocks(ids, prompt_len, anchors.to(ids.device), gamma, cfg.mask_token_id)
+    h, blocks, target_hidden = block_hidden_states(model, frozen, ids, prompt_len, feats, anchors)
+    logits, conf, target_logits = head_outputs(model, frozen, h, blocks.prev_ids, target_hidden)
+    return BlockOutputs(logits, target_logits, conf, blocks)
+
+
+def block_hidden_states(model: DSparkDraftModel, frozen: FrozenHead, ids: torch.Tensor, prompt_len: int,
+                        feats: Features, anchors: torch.Tensor) -> tuple[torch.Tensor, BlockBatch, torch.Tensor]:
+    """The sequence's part of ``block_outputs``: slot hidden states h [N, d], the blocks, and the target's final
+    hidden states at each slot's position [N, d] (the TV target, read from the online features)."""
+    gamma = model.config.block_size
+    blocks = make_blocks(ids, prompt_len, anchors.to(ids.device), gamma, model.config.mask_token_id)
     mask = block_mask(blocks.anchors, gamma, blocks.ctx_len)
     h = packed_forward(model, feats.taps[: blocks.ctx_len], frozen.embed(blocks.input_ids), blocks.positions, mask)
+    target_pos = blocks.positions.clamp(max=ids.shape[0] - 1)
+    return h, blocks, feats.hidden[target_pos]
+
+
+def head_outputs(model: DSparkDraftModel, frozen: FrozenHead, h: torch.Tensor, prev_ids: torch.Tensor,
+                 target_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The vocabulary-sized part of ``block_outputs``, row by row (so rows of several sequences may go together):
+    (draft logits [N, V] with the Markov bias, confidence logits [N] or None, target logits [N, V] without grad)."""
     logits = frozen.logits(h)  # [N, V] U_k
     conf = None
     if model.markov_head is not None:
-        prev_emb = model.markov_head.w1(blocks.prev_ids)  # [N, r]
+        prev_emb = model.markov_head.w1(prev_ids)  # [N, r]
         logits = logits + model.markov_head.bias(prev_emb).float()
         with _fp32(h.device):
             head = model.confidence_head
             conf = F.linear(torch.cat([h.float(), prev_emb.float()], dim=-1), head.weight.float(),
                             head.bias.float())[:, 0]
     with torch.no_grad():
-        target_pos = blocks.positions.clamp(max=ids.shape[0] - 1)
-        target_logits = frozen.logits(feats.hidden[target_pos])
-    return BlockOutputs(logits, target_logits, conf, blocks)
+        target_logits = frozen.logits(target_hidden)
+    return logits, conf, target_logits
+
+
+def cat_blocks(parts: Sequence[BlockBatch]) -> BlockBatch:
+    """Several sequences' blocks as one row list (their rows in order; ``ctx_len`` the largest)."""
+    return BlockBatch(*(torch.cat([getattr(b, f) for b in parts]) for f in
+                        ("anchors", "positions", "input_ids", "prev_ids", "labels", "valid")),
+                      max(b.ctx_len for b in parts))
 
 
 def _fp32(device: torch.device):
@@ -317,6 +341,8 @@ class DSparkTask:
                  device: torch.device) -> None:
         self.module, self.cfg, self.frozen, self.dopts, self.device = model, cfg, frozen, dopts, device
         self.alphas = dopts.loss_alphas()
+        if dopts.batched_loss:  # common._train_step then calls batch_loss once instead of loss per sequence
+            self.batch_loss = self._batch_loss
 
     def plan(self, sample: Sample, gen: torch.Generator) -> DSparkPlan:
         anchors = sample_anchors(sample, self.dopts.num_anchors, gen)
@@ -331,6 +357,29 @@ class DSparkTask:
         w_host = plan.weights.reshape(-1)  # [N]
         w = w_host.to(self.device, non_blocking=True)
         parts = dspark_loss(out.logits, out.target_logits, out.blocks.labels, out.conf_logits, w, self.alphas)
+        with torch.no_grad():
+            stats = _stats(parts, out, w, w_host)
+        return parts.total, stats
+
+    def _batch_loss(self, items: Sequence[tuple[Sample, Features]], plans: Sequence[DSparkPlan]
+                    ) -> tuple[torch.Tensor, Stats]:
+        """``loss`` summed over the batch, its sequences' backbone passes one by one (each has its own packed
+        mask) and the vocabulary-sized work (lm_head, Markov bias, target logits, softmaxes, loss) once over all
+        their rows: fewer, larger kernels, at the memory of [rows of the batch, V] fp32 tensors."""
+        hs, blocks, targets = [], [], []
+        for (sample, feats), plan in zip(items, plans, strict=True):
+            ids = torch.tensor(sample.ids, dtype=torch.long, device=self.device)
+            h, b, t = block_hidden_states(self.module, self.frozen, ids, sample.prompt_len, feats, plan.anchors)
+            hs.append(h)
+            blocks.append(b)
+            targets.append(t)
+        batch = cat_blocks(blocks)
+        logits, conf, target_logits = head_outputs(self.module, self.frozen, torch.cat(hs), batch.prev_ids,
+                                                   torch.cat(targets))
+        out = BlockOutputs(logits, target_logits, conf, batch)
+        w_host = torch.cat([plan.weights.reshape(-1) for plan in plans])
+        w = w_host.to(self.device, non_blocking=True)
+        parts = dspark_loss(out.logits, out.target_logits, batch.labels, out.conf_logits, w, self.alphas)
         with torch.no_grad():
             stats = _stats(parts, out, w, w_host)
         return parts.total, stats
@@ -357,6 +406,6 @@ def _stats(parts: LossParts, out: BlockOutputs, w: torch.Tensor, w_host: torch.T
     return stats
 
 
-__all__ = ["DFLASH_ALPHAS", "DSPARK_ALPHAS", "BlockOutputs", "DSparkOptions", "DSparkTask", "block_mask",
-           "block_outputs", "build_trainable_draft", "copy_target_layers", "dspark_loss", "make_blocks",
-           "packed_forward", "position_weights", "sample_anchors", "slot_weights"]
+__all__ = ["DFLASH_ALPHAS", "DSPARK_ALPHAS", "BlockOutputs", "DSparkOptions", "DSparkTask", "block_hidden_states",
+           "block_mask", "block_outputs", "build_trainable_draft", "cat_blocks", "copy_target_layers", "dspark_loss",
+           "head_outputs", "make_blocks", "packed_forward", "position_weights", "sample_anchors", "slot_weights"]

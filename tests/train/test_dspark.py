@@ -3,6 +3,7 @@ block forward, and training end to end (loss down, greedy output unchanged, acce
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -174,6 +175,45 @@ def test_bf16_features_feed_an_fp32_draft(target_path):
     torch.testing.assert_close(got.logits, want.logits, rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("markov_rank", [8, 0])  # DSpark, and DFlash (no heads)
+def test_batched_loss_equals_the_per_sequence_sum(target_path, markov_rank):
+    """``--batched-loss``: one vocabulary pass over the batch gives the per-sequence losses' sum, their gradients and
+    their statistics."""
+    from baton.train.common import finish_stats, merge_stats
+    from baton.train.dspark import DSparkTask
+
+    target = load_frozen_target(ServerArgs(model_path=target_path, device="cpu"))
+    opts = DSparkOptions(block_size=4, num_layers=1, markov_rank=markov_rank, num_anchors=5)
+    model, cfg = build_trainable_draft(target.config, opts, CPU, target.model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # heads off zero, so every term has a gradient
+    frozen = FrozenHead(target.model, CPU)
+    features = TargetFeatures(target.model, CPU, cfg.target_layer_ids)
+    seqs = [([5, 17, 42, 8, 3, 60, 11, 29, 33, 7, 9, 23, 70, 2], 4), ([7, 7, 9, 44, 18, 66, 12, 99, 31], 3),
+            ([23, 54, 2, 90, 71, 12, 81, 3, 3, 40, 9, 57], 6)]
+    items = [(Sample(ids, p), features(ids)) for ids, p in seqs]
+    gen = torch.Generator().manual_seed(0)
+    per_seq = DSparkTask(model, cfg, frozen, opts, CPU)
+    plans = [per_seq.plan(sample, gen) for sample, _ in items]
+    assert not hasattr(per_seq, "batch_loss")  # opt-in only
+    want_loss, want_stats = 0.0, {}
+    model.zero_grad()
+    for (sample, feats), plan in zip(items, plans, strict=True):
+        loss, stats = per_seq.loss(sample, feats, plan)
+        loss.backward()
+        want_loss, want_stats = want_loss + loss.detach(), merge_stats(want_stats, stats)
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    batched = DSparkTask(model, cfg, frozen, dataclasses.replace(opts, batched_loss=True), CPU)
+    model.zero_grad()
+    got_loss, got_stats = batched.batch_loss(items, plans)
+    got_loss.backward()
+    torch.testing.assert_close(got_loss.detach(), want_loss, rtol=1e-5, atol=1e-6)
+    assert finish_stats(got_stats) == pytest.approx(finish_stats(want_stats), rel=1e-5)
+    for p, w in zip(model.parameters(), want_grads, strict=True):
+        torch.testing.assert_close(p.grad, w, rtol=1e-4, atol=1e-6)
+
+
 def _greedy(engine, prompts, n=32):
     sp = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
     return [[t for o in engine.generate(Request(p, sp)) for t in o.token_ids] for p in prompts]
@@ -209,3 +249,16 @@ def test_dspark_training_end_to_end(tmp_path, target_path, greedy_data):
     assert all(a <= b + 1e-12 for a, b in zip(data["ece_after"][:1], data["ece_before"][:1], strict=True))
     assert load_sts_temperatures(sts, 4).shape == (4,)
     assert os.path.isfile(sts.replace(".json", "_reliability.png"))
+
+
+@pytest.mark.timeout(120)
+def test_batched_loss_cli_trains(tmp_path, target_path, greedy_data):
+    train, _ = greedy_data
+    out = str(tmp_path / "dspark")
+    assert baton_main(["train", "dspark", "--model-path", target_path, "--target-device", "cpu", "--device", "cpu",
+                       "--train-data", train, "--output", out, "--steps", "3", "--batch-size", "3", "--block-size", "4",
+                       "--num-layers", "1", "--markov-rank", "8", "--num-anchors", "6", "--eval-prompts", "0",
+                       "--batched-loss"]) == 0
+    metrics = json.load(open(os.path.join(out, "metrics.json")))
+    assert metrics["dspark_options"]["batched_loss"] is True
+    assert len(metrics["steps"]) == 3 and all(math.isfinite(r["loss"]) for r in metrics["steps"])
