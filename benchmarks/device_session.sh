@@ -340,7 +340,7 @@ PY
   fi
   EXTRA=""; [ "$BATCHED" = 1 ] && EXTRA="--batched-loss"
   ( cd /tmp/repo_x && setsid nohup env PYTHONPATH=/tmp/site:/tmp/repo_x GSM8K=/tmp/gsm8k GPUS=cuda:0,cuda:1 \
-      EXTRA_TRAIN_ARGS="$EXTRA" TRAIN_BUDGET=${TRAIN_BUDGET:-800} bash benchmarks/train_more_dspark.sh /tmp/train \
+      EXTRA_TRAIN_ARGS="$EXTRA" TRAIN_BUDGET=${TRAIN_BUDGET:-700} bash benchmarks/train_more_dspark.sh /tmp/train \
       > /tmp/train/more.log 2>&1 < /dev/null & )
   sleep 30; cp /tmp/train/more.log "$R/"; tail -3 /tmp/train/dspark_A.log /tmp/train/dspark_B.log > "$R/start.txt" 2>&1 ;;
 y)  # wait for phase x's runs (up to WAIT_S s from this call's start), then pack what exists
