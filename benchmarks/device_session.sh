@@ -94,10 +94,12 @@ smol_census() {
       > "$R/census_smollm2_$name.log" 2>&1
   echo "census rc=$? at $((SECONDS - t0)) s" >> "$R/census_smollm2_$name.log"
 }
-# merge_table FILE: a tuned table's entries (a phase's own tune) join this copy's baton/ops/linear/tuned/nvidia-h200.json,
-# replacing entries of the same keys; the merged table is kept in $R. A missing FILE changes nothing.
+# merge_table FILE [TABLE]: a tuned table's entries (a phase's own tune) join TABLE (default: this copy's
+# baton/ops/linear/tuned/nvidia-h200.json), replacing entries of the same keys; the merged table is kept in $R.
+# A missing FILE changes nothing.
 merge_table() {
-  python3 - "$1" baton/ops/linear/tuned/nvidia-h200.json <<'PY'
+  local table=${2:-baton/ops/linear/tuned/nvidia-h200.json}
+  python3 - "$1" "$table" <<'PY'
 import json, sys
 new, path = sys.argv[1], sys.argv[2]
 try:
@@ -110,8 +112,17 @@ table["entries"] = [e for e in table["entries"] if (e["kind"], e["n_out"], e["k"
 json.dump(table, open(path, "w"), indent=1)
 print(f"merged {len(extra)} tuned entries from {new}")
 PY
-  cp baton/ops/linear/tuned/nvidia-h200.json "$R/nvidia-h200.json"
+  cp "$table" "$R/nvidia-h200.json"
 }
+# per_step LOG: seconds per step between steps 10 and 30 of a `baton train ... --steps 30 --log-every 10` log (nan
+# when it did not get there); faster NEW OLD: 1 when NEW is a number and at least 10% under OLD (or OLD is nan)
+per_step() { python3 - "$1" <<'PY'
+import re, sys
+t = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step (\d+): .*'elapsed_s': ([0-9.]+)", open(sys.argv[1]).read())}
+print(f"{(t[30] - t[10]) / 20:.3f}" if 10 in t and 30 in t else "nan")
+PY
+}
+faster() { python3 -c "import math; b, a = float('$1'), float('$2'); print(int(not math.isnan(b) and (math.isnan(a) or b < 0.9 * a)))"; }
 case $phase in
 p)
   ( export CUDA_VISIBLE_DEVICES=0
@@ -135,14 +146,8 @@ r)
           --num-anchors 256 --eval-prompts 0 --device cuda:0 --target-device cuda:0 > "$R/ab_tf32_$tf.log" 2>&1 &
     done
     wait
-    per_step() { python3 - "$1" <<'PY'
-import re, sys
-t = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step (\d+): .*'elapsed_s': ([0-9.]+)", open(sys.argv[1]).read())}
-print(f"{(t[30] - t[10]) / 20:.3f}" if 10 in t and 30 in t else "nan")
-PY
-    }
     on=$(per_step "$R/ab_tf32_1.log"); off=$(per_step "$R/ab_tf32_0.log")
-    keep=$(python3 -c "import math,sys; a,b=float('$on'),float('$off'); print(0 if (not math.isnan(b)) and (math.isnan(a) or b < 0.9 * a) else 1)")
+    keep=$((1 - $(faster "$off" "$on")))
     echo "dspark s/step: tf32 on $on, off $off -> BATON_TRAIN_TF32=$keep" | tee "$R/ab_tf32.txt"
     export BATON_TRAIN_TF32=$keep
   fi
@@ -304,21 +309,7 @@ x)  # (the GGUF, carried data) issue 7: an A/B of --batched-loss (30 steps a GPU
   mkdir -p /tmp/train && tar xzf /tmp/traindata.tgz -C /tmp/train
   # a private copy of the tree: later calls overwrite this one (and its tuned table) while the runs go on
   rm -rf /tmp/repo_x && mkdir /tmp/repo_x && tar cf - --exclude='./.carry*' --exclude=./.whl . | tar xf - -C /tmp/repo_x
-  python3 - /tmp/repo_x/baton/ops/linear/tuned/nvidia-h200.json /tmp/res/tuned-smol-m*.json <<'PY'
-import json, sys  # phase c's SmolLM2 entries (if any) join the copy's table
-path, extra = sys.argv[1], []
-for fn in sys.argv[2:]:
-    try:
-        extra += json.load(open(fn))["entries"]
-    except (OSError, ValueError):
-        pass
-table = json.load(open(path))
-keys = {(e["kind"], e["n_out"], e["k"], e["swiglu"]) for e in extra}
-table["entries"] = [e for e in table["entries"] if (e["kind"], e["n_out"], e["k"], e["swiglu"]) not in keys] + extra
-json.dump(table, open(path, "w"), indent=1)
-print(f"{len(extra)} SmolLM2 entries merged")
-PY
-  cp /tmp/repo_x/baton/ops/linear/tuned/nvidia-h200.json "$R/"
+  merge_table /tmp/res/tuned-smol-m9.json /tmp/repo_x/baton/ops/linear/tuned/nvidia-h200.json  # phase c's, if any
   if [ -z "${BATCHED:-}" ]; then  # A/B of --batched-loss: 30 steps each, GPU 0 per sequence, GPU 1 batched
     for b in 0 1; do
       ( cd /tmp/repo_x && CUDA_VISIBLE_DEVICES=$b PYTHONPATH=/tmp/site:/tmp/repo_x timeout 110 python3 -m baton train \
@@ -328,14 +319,8 @@ PY
           $([ $b = 1 ] && echo --batched-loss) > "$R/ab_batched_$b.log" 2>&1 ) &
     done
     wait
-    per_step() { python3 - "$1" <<'PY'
-import re, sys
-t = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"step (\d+): .*'elapsed_s': ([0-9.]+)", open(sys.argv[1]).read())}
-print(f"{(t[30] - t[10]) / 20:.3f}" if 10 in t and 30 in t else "nan")
-PY
-    }
     off=$(per_step "$R/ab_batched_0.log"); on=$(per_step "$R/ab_batched_1.log")
-    BATCHED=$(python3 -c "import math; a,b=float('$off'),float('$on'); print(1 if not math.isnan(b) and (math.isnan(a) or b < 0.9 * a) else 0)")
+    BATCHED=$(faster "$on" "$off")
     echo "dspark s/step: per sequence $off, batched $on -> BATCHED=$BATCHED" | tee "$R/ab_batched.txt"
   fi
   EXTRA=""; [ "$BATCHED" = 1 ] && EXTRA="--batched-loss"

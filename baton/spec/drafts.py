@@ -55,6 +55,14 @@ def nextn_body_config(target_cfg: ModelConfig, **overrides) -> ModelConfig:
 
 
 def load_nextn_head(path: str, target: CausalLM, device, dtype) -> NextNLayer:
+    head = build_nextn_head(nextn_checkpoint_config(path, target), device=device, dtype=dtype)
+    load_safetensors_with_prefix(head, path)
+    return head
+
+
+def nextn_checkpoint_config(path: str, target: CausalLM) -> ModelConfig:
+    """The body config of the NEXTN head checkpoint at ``path``, checked against ``target`` (model type,
+    vocabulary, hidden size)."""
     data = read_draft_config(path)
     if data.get("model_type") != NEXTN_TYPE:
         raise ConfigError(f"{path}: model_type {data.get('model_type')!r} is not a NEXTN head ({NEXTN_TYPE!r})")
@@ -62,9 +70,7 @@ def load_nextn_head(path: str, target: CausalLM, device, dtype) -> NextNLayer:
     check_vocab(path, data.get("vocab_size"), target)
     if body_cfg.hidden_size != target.config.hidden_size:
         raise ConfigError(f"{path}: draft hidden_size {body_cfg.hidden_size} != target {target.config.hidden_size}")
-    head = build_nextn_head(body_cfg, device=device, dtype=dtype)
-    load_safetensors_with_prefix(head, path)
-    return head
+    return body_cfg
 
 
 def load_safetensors_with_prefix(head: NextNLayer, path: str) -> None:

@@ -246,15 +246,10 @@ def _dspark_options_from(dopts, path: str):
 def _load_init_from(model, path: str, kind: str, target=None) -> None:
     """Fill the fp32 trainable ``model`` from the checkpoint at ``path`` (its dtype converted); a tensor the
     checkpoint lacks or shapes differently fails, naming it."""
-    from baton.config import ConfigError
-
     if kind == "nextn":
-        from baton.spec.drafts import NEXTN_TYPE, check_vocab, load_safetensors_with_prefix, read_draft_config
+        from baton.spec.drafts import load_safetensors_with_prefix, nextn_checkpoint_config
 
-        data = read_draft_config(path)
-        if data.get("model_type") != NEXTN_TYPE:
-            raise ConfigError(f"--init-from {path}: model_type {data.get('model_type')!r} is not a NEXTN head")
-        check_vocab(path, data.get("vocab_size"), target)
+        nextn_checkpoint_config(path, target)  # the checks the serving loader makes
         load_safetensors_with_prefix(model, path)
     else:
         from baton.spec.dspark_ckpt import load_dspark_weights

@@ -352,20 +352,14 @@ class DSparkTask:
         return DSparkPlan(anchors, slot_weights(valid, self.dopts.loss_decay_gamma))
 
     def loss(self, sample: Sample, feats: Features, plan: DSparkPlan) -> tuple[torch.Tensor, Stats]:
-        ids = torch.tensor(sample.ids, dtype=torch.long, device=self.device)
-        out = block_outputs(self.module, self.frozen, ids, sample.prompt_len, feats, plan.anchors)
-        w_host = plan.weights.reshape(-1)  # [N]
-        w = w_host.to(self.device, non_blocking=True)
-        parts = dspark_loss(out.logits, out.target_logits, out.blocks.labels, out.conf_logits, w, self.alphas)
-        with torch.no_grad():
-            stats = _stats(parts, out, w, w_host)
-        return parts.total, stats
+        return self._batch_loss([(sample, feats)], [plan])
 
     def _batch_loss(self, items: Sequence[tuple[Sample, Features]], plans: Sequence[DSparkPlan]
                     ) -> tuple[torch.Tensor, Stats]:
-        """``loss`` summed over the batch, its sequences' backbone passes one by one (each has its own packed
-        mask) and the vocabulary-sized work (lm_head, Markov bias, target logits, softmaxes, loss) once over all
-        their rows: fewer, larger kernels, at the memory of [rows of the batch, V] fp32 tensors."""
+        """``loss`` summed over ``items``: their backbone passes one by one (each sequence has its own packed mask)
+        and the vocabulary-sized work (lm_head, Markov bias, target logits, softmaxes, loss) once over all their
+        rows. For a batch (``--batched-loss``): fewer, larger kernels, at the memory of [rows of the batch, V] fp32
+        tensors."""
         hs, blocks, targets = [], [], []
         for (sample, feats), plan in zip(items, plans, strict=True):
             ids = torch.tensor(sample.ids, dtype=torch.long, device=self.device)
@@ -373,11 +367,11 @@ class DSparkTask:
             hs.append(h)
             blocks.append(b)
             targets.append(t)
-        batch = cat_blocks(blocks)
+        batch = blocks[0] if len(blocks) == 1 else cat_blocks(blocks)
         logits, conf, target_logits = head_outputs(self.module, self.frozen, torch.cat(hs), batch.prev_ids,
                                                    torch.cat(targets))
         out = BlockOutputs(logits, target_logits, conf, batch)
-        w_host = torch.cat([plan.weights.reshape(-1) for plan in plans])
+        w_host = torch.cat([plan.weights.reshape(-1) for plan in plans])  # [N]
         w = w_host.to(self.device, non_blocking=True)
         parts = dspark_loss(out.logits, out.target_logits, batch.labels, out.conf_logits, w, self.alphas)
         with torch.no_grad():

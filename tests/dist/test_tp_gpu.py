@@ -76,11 +76,17 @@ def test_allreduce_bench_runs(one_shot):
 @pytest.mark.parametrize("spec", [{}, {"algorithm": "NEXTN", "num_steps": 3}])
 def test_tp2_cuda_graphs_equal_tp1(ling_path, spec, allreduce, monkeypatch):
     monkeypatch.setenv("BATON_TP_ALLREDUCE", allreduce)
+    requests = [([3, 5, 7, 11, 13, 17], dict(temperature=0.0, max_new_tokens=40, ignore_eos=True))]
+    got, want = _tp2_and_tp1(ling_path, spec, requests)
+    assert got == want
+
+
+def _tp2_and_tp1(ling_path: str, spec: dict, requests: list) -> tuple[list, list]:
+    """The requests' outputs on CUDA graphs at TP 2 and at TP 1 (fp32), the TP 1 engine freed first."""
     def args(tp: int) -> ServerArgs:
         return ServerArgs(model_path=ling_path, device="cuda", dtype="float32", context_length=512, tp_size=tp,
                           spec=SpecConfig(**spec))
 
-    requests = [([3, 5, 7, 11, 13, 17], dict(temperature=0.0, max_new_tokens=40, ignore_eos=True))]
     engine = Engine(args(1))
     assert engine.graphs is not None
     want = generate_all(engine, [(i, dict(k)) for i, k in requests])
@@ -88,7 +94,7 @@ def test_tp2_cuda_graphs_equal_tp1(ling_path, spec, allreduce, monkeypatch):
     torch.cuda.empty_cache()
     got = run_tp(args(2), generate_all, ([(i, dict(k)) for i, k in requests],), rank0_in_caller=False,
                  timeout_s=300)
-    assert got == want
+    return got, want
 
 
 @pytest.mark.parametrize("allreduce", ["nccl", "auto"])
@@ -99,19 +105,8 @@ def test_tp2_cuda_graphs_block_drafts_equal_tp1(ling_path, tmp_path, algorithm, 
     write_random_dspark_draft(load_model_config(ling_path), draft, seed=1, block_size=6, num_layers=2,
                               markov_rank=32, with_heads=algorithm == "DSPARK")
     spec = dict(algorithm=algorithm, draft_model_path=draft, simulate_accept_len=simulate)
-
-    def args(tp: int) -> ServerArgs:
-        return ServerArgs(model_path=ling_path, device="cuda", dtype="float32", context_length=512, tp_size=tp,
-                          spec=SpecConfig(**spec))
-
     requests = [([3, 5, 7, 11, 13, 17], dict(temperature=0.0, max_new_tokens=40, ignore_eos=True)),
                 ([3, 5, 7], dict(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=24, ignore_eos=True))]
-    engine = Engine(args(1))
-    assert engine.graphs is not None
-    want = generate_all(engine, [(i, dict(k)) for i, k in requests])
-    del engine
-    torch.cuda.empty_cache()
-    got = run_tp(args(2), generate_all, ([(i, dict(k)) for i, k in requests],), rank0_in_caller=False,
-                 timeout_s=300)
+    got, want = _tp2_and_tp1(ling_path, spec, requests)
     assert got == want
     assert got[0][2] > 0
