@@ -153,13 +153,18 @@ ALIGNED_CONFIGS: dict[int, MoEConfig] = {
 #   - scales gathered per activation element, BLOCK_K free (d255682; benchmarks/results/h200-2026-11-30c): slower
 #     at every tile, T=6 225.8 us with the tiles below (136.3 us best), T=1 52.5 us (46.4 best); the TP2 fp8 steps
 #     slowed with it (NEXTN 3.13 -> 3.56 ms TPOT);
-#   - now: one scalar scale per chunk (no per-element gather, no per-weight multiply); not measured yet, the tiles
-#     are the first form's.
+#   - now (7ee2719): one scalar scale per chunk (no per-element gather, no per-weight multiply). Swept on
+#     2026-11-30 (benchmarks/results/h200-2026-11-30d/f) at one GPU's experts (I=768) and one TP2 rank's (I=384):
+#     T=1 28.4 / 18.3 us best (47.99 / 33.9 with the first form's tiles), T=6 89.3 / 53.8 us best (108.7 / 61.3).
+#     The table is keyed by T alone, so each entry is the tile good at both widths: T=1 up (16, 256, 8, 3) was the
+#     best up at both (31.0 / 19.1 us), down (32, 128, 4, 4) 30.9 / 19.1 (the one-GPU winner (32, 256, 4, 3) took
+#     49.2 us at I=384); T=6 up (32, 256, 8, 3) best at both, down (64, 128, 8, 3) 97.7 / 53.8 (the one-GPU
+#     winner (32, 256, 4, 3): 89.3 / 73.4). bf16 direct at the TP2 width beside it: T=1 18.0 us, T=6 82.4 us.
 FP8_BLOCK = 128
 FP8_CONFIG = MoEConfig(up=MoETile(32, 128, 4, 4), down=MoETile(32, 128, 4, 4))
 FP8_CONFIGS: dict[int, MoEConfig] = {
-    1: FP8_CONFIG,
-    6: MoEConfig(up=MoETile(64, 128, 8, 3), down=MoETile(64, 128, 8, 3)),
+    1: MoEConfig(up=MoETile(16, 256, 8, 3), down=MoETile(32, 128, 4, 4)),
+    6: MoEConfig(up=MoETile(32, 256, 8, 3), down=MoETile(64, 128, 8, 3)),
     16: FP8_CONFIG,
 }
 
