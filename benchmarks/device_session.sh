@@ -28,10 +28,12 @@
 #                             NEXTN benches, each with rank 0's exclusive census
 #   s                         baton serve + baton bench at TP2, the whole Ling-3.0-flash shape (MODES, TP)
 #   m                         the fp8 MoE tile sweep (GPU 0) and the linear tune at M=6 (GPU 1)
-#   c                         only carries a GGUF part (a training session's first calls)
+#   c                         carries a GGUF part (a training session's first calls); C_TUNE=1 also the SmolLM2 M=9
+#                             tune and step censuses; C_FP8=tp2|one also issue 9's fp8 NEXTN at TP2 / on one GPU
 #   x  (the GGUF)             issue 7: two DSpark drafters trained side by side in the background, then their reports
 #                             (benchmarks/train_more_dspark.sh); y waits for them and packs dspark_A/B + the reports.
 #                             A training session: C_TUNE=1 c (+.carry0), c (+.carry1), x (+.carry2), y, y ...
+#                             MODE=dp NEW_DATA=1: more data first, then B alone over both GPUs (--dp-size 2)
 #   f, f1                     issue 9's close-out in two calls: f: the MoE kernel tests and fp8 sweeps (one GPU's and a
 #                             TP2 rank's experts), the TP2 linear shapes tuned, then fp8 plain / NEXTN at TP2; f1: fp8 on
 #                             one GPU, then bf16 NEXTN at TP2 with the TP2 linear entries
@@ -300,7 +302,18 @@ c)  # a call that carries a part of the GGUF (a training session's first two cal
     # GPU 1 meanwhile: the SmolLM2 step censuses (dummy weights), DSpark now drafting its whole 16-slot block
     ( export CUDA_VISIBLE_DEVICES=1; for alg in none NEXTN DSPARK; do smol_census $alg $alg 60; done ) &
     wait; cp /tmp/res/tuned-smol-m9.json "$R/" 2>/dev/null
-  fi ;;
+  fi
+  # C_FP8=tp2 | one: issue 9's fp8 NEXTN (5,1,6) at simulated accept 3.25 with the swept tiles and tuned TP2 linear
+  # entries, the whole 42-layer shape: at TP2 (both GPUs), or on one GPU (peak memory in the JSON); census each
+  export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=120
+  case ${C_FP8:-} in
+    tp2) OUT=$R timeout -s ABRT ${FP8_S:-230} python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 \
+             --quantization fp8 --modes nextn --num-requests 1 > "$R/tp2_fp8_nextn.log" 2>&1
+         echo "tp2 fp8 nextn rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_fp8_nextn.log" ;;
+    one) CUDA_VISIBLE_DEVICES=0 OUT=$R timeout ${FP8_S:-230} python3 benchmarks/bench_ling_flash.py --num-layers 42 \
+             --quantization fp8 --modes nextn --num-requests 1 > "$R/ling42_fp8_nextn.log" 2>&1
+         echo "ling42 fp8 nextn rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8_nextn.log" ;;
+  esac ;;
 x)  # (the GGUF, carried data) issue 7: an A/B of --batched-loss (30 steps a GPU; BATCHED=0|1 skips it), then two
     # DSpark drafters trained side by side in the background
     # (benchmarks/train_more_dspark.sh: A from scratch with --init target on GPU 0, B the shipped drafter trained
@@ -310,6 +323,7 @@ x)  # (the GGUF, carried data) issue 7: an A/B of --batched-loss (30 steps a GPU
   # a private copy of the tree: later calls overwrite this one (and its tuned table) while the runs go on
   rm -rf /tmp/repo_x && mkdir /tmp/repo_x && tar cf - --exclude='./.carry*' --exclude=./.whl . | tar xf - -C /tmp/repo_x
   merge_table /tmp/res/tuned-smol-m9.json /tmp/repo_x/baton/ops/linear/tuned/nvidia-h200.json  # phase c's, if any
+  [ "${MODE:-ab}" = dp ] && BATCHED=${BATCHED:-0}  # (the A/B of 2026-11-30d: 0.255 against 0.259 s/step)
   if [ -z "${BATCHED:-}" ]; then  # A/B of --batched-loss: 30 steps each, GPU 0 per sequence, GPU 1 batched
     for b in 0 1; do
       ( cd /tmp/repo_x && CUDA_VISIBLE_DEVICES=$b PYTHONPATH=/tmp/site:/tmp/repo_x timeout 110 python3 -m baton train \
@@ -325,17 +339,23 @@ x)  # (the GGUF, carried data) issue 7: an A/B of --batched-loss (30 steps a GPU
   fi
   EXTRA=""; [ "$BATCHED" = 1 ] && EXTRA="--batched-loss"
   ( cd /tmp/repo_x && setsid nohup env PYTHONPATH=/tmp/site:/tmp/repo_x GSM8K=/tmp/gsm8k GPUS=cuda:0,cuda:1 \
-      EXTRA_TRAIN_ARGS="$EXTRA" TRAIN_BUDGET=${TRAIN_BUDGET:-700} bash benchmarks/train_more_dspark.sh /tmp/train \
+      EXTRA_TRAIN_ARGS="$EXTRA" TRAIN_BUDGET=${TRAIN_BUDGET:-700} MODE=${MODE:-ab} NEW_DATA=${NEW_DATA:-0} \
+      DATA_BUDGET=${DATA_BUDGET:-150} bash benchmarks/train_more_dspark.sh /tmp/train \
       > /tmp/train/more.log 2>&1 < /dev/null & )
   sleep 30; cp /tmp/train/more.log "$R/"; tail -3 /tmp/train/dspark_A.log /tmp/train/dspark_B.log > "$R/start.txt" 2>&1 ;;
 y)  # wait for phase x's runs (up to WAIT_S s from this call's start), then pack what exists
+  # A drafter is packed into $OUT as soon as it is saved (a call cut short by the device budget still returns
+  # what $OUT holds), and again at the end (its sts.json comes later)
+  pack() { for x in A B; do [ -f /tmp/train/dspark_$x/model.safetensors ] && \
+             tar czf "$OUT/dspark_$x.tgz" -C /tmp/train dspark_$x; done; }
   end=$((t0 + ${WAIT_S:-540}))
-  while [ $SECONDS -lt $end ] && ! grep -q "report done" /tmp/train/more.log; do sleep 10; done
-  cp /tmp/train/more.log /tmp/train/*.log "$R/" 2>/dev/null
-  for x in A B; do
-    d=/tmp/train/dspark_$x
-    [ -f $d/model.safetensors ] && tar czf "$OUT/dspark_$x.tgz" -C /tmp/train dspark_$x
+  packed=0
+  while [ $SECONDS -lt $end ] && ! grep -q "report done" /tmp/train/more.log; do
+    [ $packed = 0 ] && ls /tmp/train/dspark_*/model.safetensors > /dev/null 2>&1 && { sleep 5; pack; packed=1; }
+    sleep 10
   done
+  cp /tmp/train/more.log /tmp/train/*.log "$R/" 2>/dev/null
+  pack
   cp /tmp/train/results/* /tmp/train/drafts_* "$R/" 2>/dev/null; ls -R /tmp/train | head -50 > "$R/ls.txt" ;;
 f)  # issue 9's close-out, first call (~500 s). GPU 0: the fp8 / bf16 MoE kernel tests compiled, then the fp8 tile
     # sweep (the scalar-scale kernel of 7ee2719); GPU 1: the fp8 sweep at one TP2 rank's experts (I = 384) with bf16

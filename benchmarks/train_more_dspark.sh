@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
-# Issue 7's DSpark accept length: two drafters for the embedded SmolLM2 trained side by side, then the GSM8K
-# report of each. Both keep the shipped architecture (1 layer, block 16, Markov rank 16, taps 1,27; under 20 MB
-# with the NEXTN head):
+# Issue 7's DSpark accept length: the embedded SmolLM2's drafter trained further, then the GSM8K report. The
+# shipped architecture stays (1 layer, block 16, Markov rank 16, taps 1,27; under 20 MB with the NEXTN head).
+#
+# MODE=ab (default): two drafters side by side, one GPU each:
 #   A (first GPU):  from scratch, its layer initialised from the target's last layer (--init target; the init
 #                   ablation at full length);
 #   B (second GPU): the shipped drafter trained further (--init-from baton/drafts/smollm2-135m-instruct/dspark,
 #                   a fresh schedule at LR_B).
+# MODE=dp: B alone over both GPUs (`baton train dspark --dp-size 2`: each GPU half of every batch, twice the
+#   steps of one GPU in the same time); if the data-parallel run fails, B runs on the first GPU instead.
+# NEW_DATA=1: first more data on both GPUs (GSM8K train prompts from SKIP, default 3000, which the 2026-11-29
+#   data did not reach; 5-shot and chat, greedy; DATA_BUDGET seconds), appended to the training data.
 # Data: OUT/data/gsm8k.jsonl and its holdout, made by baton/train/recipe_smollm2.sh step 1 (reused, not remade).
 # Each run: TRAIN_BUDGET seconds of optimiser steps; then STS calibration and benchmarks/bench_drafts.py (GSM8K
-# test questions, gamma 4, 8, 16, greedy and T 0.7; B's report also runs the shipped NEXTN head at 3 steps). The one with the higher greedy accept length at gamma 8 is
-# the one to ship (copy OUT/dspark_X/{config.json,model.safetensors,sts.json} to baton/drafts/.../dspark).
+# test questions, gamma 4, 8, 16, greedy and T 0.7; B's report also runs the shipped NEXTN head at 3 steps). The
+# one with the higher greedy accept length at gamma 8 is the one to ship (copy OUT/dspark_X/{config.json,
+# model.safetensors,sts.json} to baton/drafts/.../dspark).
 #
-#   GPUS=cuda:0,cuda:1 TRAIN_BUDGET=1000 [EXTRA_TRAIN_ARGS=--batched-loss] bash benchmarks/train_more_dspark.sh OUT
+#   GPUS=cuda:0,cuda:1 TRAIN_BUDGET=1000 [MODE=dp] [NEW_DATA=1] [EXTRA_TRAIN_ARGS=--batched-loss] \
+#       bash benchmarks/train_more_dspark.sh OUT
 set -euo pipefail
 OUT=${1:?usage: bash benchmarks/train_more_dspark.sh OUT (with OUT/data/gsm8k.jsonl)}
 export OUT
@@ -29,15 +36,40 @@ COMMON=(--train-data "$DATA" --epochs "${EPOCHS:-30}" --batch-size "${BATCH:-16}
         --eval-max-new-tokens "${MAX_NEW:-256}" --eval-every 0 --target-device "$D" --device "$D" --num-layers 1 --block-size 16
         --markov-rank 16 --target-layer-ids 1,27 --num-anchors "${ANCHORS:-256}" ${EXTRA_TRAIN_ARGS:-})
 t0=$SECONDS
-CUDA_VISIBLE_DEVICES=$(idx "$G0") baton train dspark "${COMMON[@]}" --lr "${LR_A:-6e-4}" --init target \
-    --output "$OUT/dspark_A" > "$OUT/dspark_A.log" 2>&1 &
-pid_a=$!
-CUDA_VISIBLE_DEVICES=$(idx "$G1") baton train dspark "${COMMON[@]}" --lr "${LR_B:-3e-4}" --init-from "$SHIPPED" \
-    --output "$OUT/dspark_B" > "$OUT/dspark_B.log" 2>&1 &
-pid_b=$!
+if [ "${NEW_DATA:-0}" = 1 ]; then
+  # GSM8K train has 7,473 questions: from SKIP on, half to each GPU
+  SKIP=${SKIP:-3000}; HALF=$(( (7473 - SKIP + 1) / 2 ))
+  for i in 0 1; do
+    g=$G0; [ $i = 1 ] && g=$G1
+    CUDA_VISIBLE_DEVICES=$(idx "$g") baton train data --data-path "$GSM8K" --skip-prompts $((SKIP + i * HALF)) \
+        --num-prompts $HALF --prompt-formats fewshot,chat --temperatures 0 --max-new-tokens "${DATA_MAX_NEW:-320}" \
+        --holdout-frac 0.02 --data-seed $((i + 1)) --backend hf --gen-batch-size "${GEN_BATCH:-1024}" --device "$D" \
+        --time-budget "${DATA_BUDGET:-180}" --output "$OUT/data/more_$i.jsonl" > "$OUT/data_$i.log" 2>&1 &
+  done
+  wait || true
+  ALL=$OUT/data/gsm8k_all.jsonl
+  cat "$DATA" "$OUT"/data/more_[01].jsonl > "$ALL" 2>/dev/null || cp "$DATA" "$ALL"
+  echo "[more] data: $(wc -l < "$DATA") + $(cat "$OUT"/data/more_[01].jsonl 2>/dev/null | wc -l) records at $((SECONDS - t0)) s"
+  DATA=$ALL; COMMON[1]=$DATA
+fi
 rc=0
-wait $pid_a || { echo "[more] A failed:"; tr "\r" "\n" < "$OUT/dspark_A.log" | tail -20; rc=1; }
-wait $pid_b || { echo "[more] B failed:"; tr "\r" "\n" < "$OUT/dspark_B.log" | tail -20; rc=1; }
+if [ "${MODE:-ab}" = dp ]; then
+  CUDA_VISIBLE_DEVICES=$(idx "$G0"),$(idx "$G1") baton train dspark "${COMMON[@]}" --lr "${LR_B:-3e-4}" \
+      --init-from "$SHIPPED" --dp-size 2 --output "$OUT/dspark_B" > "$OUT/dspark_B.log" 2>&1 || {
+    echo "[more] the data-parallel run failed:"; tr "\r" "\n" < "$OUT/dspark_B.log" | tail -20
+    left=$(( ${TRAIN_BUDGET:-1000} - (SECONDS - t0) )); [ $left -lt 120 ] && left=120
+    CUDA_VISIBLE_DEVICES=$(idx "$G0") baton train dspark "${COMMON[@]}" --time-budget $left --lr "${LR_B:-3e-4}" \
+        --init-from "$SHIPPED" --output "$OUT/dspark_B" > "$OUT/dspark_B.log" 2>&1 || rc=1; }
+else
+  CUDA_VISIBLE_DEVICES=$(idx "$G0") baton train dspark "${COMMON[@]}" --lr "${LR_A:-6e-4}" --init target \
+      --output "$OUT/dspark_A" > "$OUT/dspark_A.log" 2>&1 &
+  pid_a=$!
+  CUDA_VISIBLE_DEVICES=$(idx "$G1") baton train dspark "${COMMON[@]}" --lr "${LR_B:-3e-4}" --init-from "$SHIPPED" \
+      --output "$OUT/dspark_B" > "$OUT/dspark_B.log" 2>&1 &
+  pid_b=$!
+  wait $pid_a || { echo "[more] A failed:"; tr "\r" "\n" < "$OUT/dspark_A.log" | tail -20; rc=1; }
+  wait $pid_b || { echo "[more] B failed:"; tr "\r" "\n" < "$OUT/dspark_B.log" | tail -20; rc=1; }
+fi
 echo "[more] training done at $((SECONDS - t0)) s"
 for x in A B; do
   g=$G0; ref=(--nextn-steps "")

@@ -90,6 +90,11 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefetch", type=int, default=2, help="batches of target features computed ahead")
     g.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the saved draft's weights (training itself runs in fp32; bf16 halves the file)")
+    g.add_argument("--dp-size", type=int, default=1, metavar="N",
+                   help="data parallel: N processes on cuda:0..N-1 (each its own target and draft replica; "
+                        "--device / --target-device then only choose cuda or cpu) split every batch of "
+                        "--batch-size sequences and sum the gradients; same steps as one process, N times the "
+                        "throughput (without CUDA: N CPU processes over gloo)")
     e = p.add_argument_group("evaluation (accept length through the Engine, greedy)")
     e.add_argument("--holdout-data", default=None, help="held-out records; their prompts are the eval prompts")
     e.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts decoded per evaluation")
@@ -187,8 +192,9 @@ def _summary(history, output: str) -> dict[str, Any]:
 # ---- commands ----
 
 
-def run_nextn(ns: argparse.Namespace, target=None):
-    """Train a NEXTN head as ``ns`` says (``target``: an already loaded FrozenTarget); returns the History."""
+def run_nextn(ns: argparse.Namespace, target=None, dp=None):
+    """Train a NEXTN head as ``ns`` says (``target``: an already loaded FrozenTarget; ``dp``: this process's
+    place in a data-parallel run); returns the History."""
     from baton.train.common import FrozenHead, read_samples, resolve_device
     from baton.train.nextn import NextNOptions, NextNTask, build_trainable_head
     from baton.train.runner import load_frozen_target, run_training
@@ -204,7 +210,8 @@ def run_nextn(ns: argparse.Namespace, target=None):
     samples = read_samples(ns.train_data, ns.max_seq_len)
     spec = _eval_spec(ns, target, "NEXTN", ns.eval_num_steps)
     return run_training(task, target, (), samples, _train_options(ns), device, spec, title="nextn",
-                        extra={"nextn_options": vars(nopts), "train_data": ns.train_data})
+                        extra={"nextn_options": vars(nopts), "train_data": ns.train_data,
+                               "dp_size": 1 if dp is None else dp.world}, dp=dp)
 
 
 def _dspark_options(ns: argparse.Namespace):
@@ -258,8 +265,8 @@ def _load_init_from(model, path: str, kind: str, target=None) -> None:
     log.info("--init-from %s: %s weights loaded", path, kind)
 
 
-def run_dspark(ns: argparse.Namespace, target=None):
-    """Train a DSpark / DFlash draft as ``ns`` says; returns the History."""
+def run_dspark(ns: argparse.Namespace, target=None, dp=None):
+    """Train a DSpark / DFlash draft as ``ns`` says (``dp`` as in ``run_nextn``); returns the History."""
     from baton.train.common import FrozenHead, read_samples, resolve_device
     from baton.train.dspark import DSparkTask, build_trainable_draft
     from baton.train.runner import load_frozen_target, run_training
@@ -278,7 +285,8 @@ def run_dspark(ns: argparse.Namespace, target=None):
     spec = _eval_spec(ns, target, algorithm)
     return run_training(task, target, cfg.target_layer_ids, samples, _train_options(ns), device, spec,
                         title=algorithm.lower(), extra={"dspark_options": vars(dopts), "train_data": ns.train_data,
-                                                        "alphas": list(dopts.loss_alphas())})
+                                                        "alphas": list(dopts.loss_alphas()),
+                                                        "dp_size": 1 if dp is None else dp.world}, dp=dp)
 
 
 def data_server_args(ns: argparse.Namespace):
@@ -303,7 +311,8 @@ def cmd_data(ns: argparse.Namespace) -> int:
         print("baton train data: generation uses plain decoding; drop the --speculative-* flags", file=sys.stderr)
         return 2
     opts = DataOptions(output=ns.output, data_path=ns.data_path, extra_prompts=ns.extra_prompts,
-                       num_prompts=ns.num_prompts, num_extra_prompts=ns.num_extra_prompts,
+                       num_prompts=ns.num_prompts, skip_prompts=ns.skip_prompts,
+                       num_extra_prompts=ns.num_extra_prompts,
                        temperatures=ns.temperatures, top_p=ns.top_p,
                        samples_per_temperature=ns.samples_per_temperature, max_new_tokens=ns.max_new_tokens,
                        prompt_formats=tuple(ns.prompt_formats.split(",")), num_shots=ns.num_shots,
@@ -320,14 +329,40 @@ def cmd_data(ns: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_nextn(ns: argparse.Namespace) -> int:
-    print(json.dumps(_summary(run_nextn(ns), ns.output), indent=1))
+def _dp_rank(kind: str, ns: argparse.Namespace, dp) -> None:
+    """One rank of ``baton train nextn|dspark --dp-size N`` (``baton.train.dp.launch`` runs it): its GPU holds
+    its target and its draft replica; rank 0 prints the summary."""
+    rank_ns = copy.copy(ns)
+    rank_ns.device = rank_ns.target_device = str(dp.device)
+    history = (run_nextn if kind == "nextn" else run_dspark)(rank_ns, dp=dp)
+    if dp.is_main:
+        print(json.dumps(_summary(history, ns.output), indent=1), flush=True)
+
+
+def _run(kind: str, ns: argparse.Namespace) -> int:
+    if ns.dp_size == 1:
+        history = (run_nextn if kind == "nextn" else run_dspark)(ns)
+        print(json.dumps(_summary(history, ns.output), indent=1))
+        return 0
+    import functools
+
+    from baton.train.dp import launch, resolve_dp_devices
+
+    try:
+        devices = resolve_dp_devices(ns.dp_size, ns.device or ns.target_device)
+    except ValueError as e:
+        print(f"baton train {kind}: {e}", file=sys.stderr)
+        return 2
+    launch(ns.dp_size, devices, functools.partial(_dp_rank, kind, ns), ns.log_level)
     return 0
+
+
+def cmd_nextn(ns: argparse.Namespace) -> int:
+    return _run("nextn", ns)
 
 
 def cmd_dspark(ns: argparse.Namespace) -> int:
-    print(json.dumps(_summary(run_dspark(ns), ns.output), indent=1))
-    return 0
+    return _run("dspark", ns)
 
 
 def cmd_calibrate(ns: argparse.Namespace) -> int:
@@ -374,6 +409,10 @@ def cmd_ablate(ns: argparse.Namespace) -> int:
     from baton.train.runner import load_frozen_target
 
     name, values = ns.vary
+    if ns.dp_size != 1:
+        print("baton train ablate: --dp-size is for `baton train nextn|dspark` (ablate trains one run at a time)",
+              file=sys.stderr)
+        return 2
     if not hasattr(ns, name):
         print(f"baton train ablate: --vary {name}: not an option of this command", file=sys.stderr)
         return 2
@@ -426,6 +465,9 @@ def _add_data(tsub: Any) -> None:
     g.add_argument("--data-path", default=None, help="GSM8K train.jsonl, or the directory holding it")
     g.add_argument("--extra-prompts", default=None, help="more prompts: .txt (one per line) or .jsonl")
     g.add_argument("--num-prompts", type=int, default=None, help="first N GSM8K prompts (default: all)")
+    g.add_argument("--skip-prompts", type=int, default=0, metavar="K",
+                   help="skip the first K GSM8K prompts (then --num-prompts): more data for prompts an earlier run "
+                        "did not reach (its prompt ids keep their GSM8K index)")
     g.add_argument("--num-extra-prompts", type=int, default=None)
     g.add_argument("--prompt-formats", default="auto", help="comma list of auto, chat, plain, fewshot")
     g.add_argument("--num-shots", type=int, default=5, help="fewshot format: train examples in the prefix")

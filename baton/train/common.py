@@ -26,6 +26,7 @@ from torch import nn
 from tqdm import tqdm
 
 from baton import env
+from baton.train.dp import DataParallel, plan_generator
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +270,8 @@ class History:
 
 def train_loop(task: Task, feature_batches: Iterator[list[tuple[Sample, Any]]], total_steps: int,
                opts: TrainOptions, device: torch.device,
-               evaluate: Callable[[nn.Module], float] | None = None, desc: str = "train") -> History:
+               evaluate: Callable[[nn.Module], float] | None = None, desc: str = "train",
+               dp: DataParallel | None = None) -> History:
     """AdamW steps over ``feature_batches`` (lists of (sample, target features)); per step the samples'
     weighted loss sums are divided by the batch's total weight, so the loss is a weighted mean over every
     trained position of the batch. Logs, evaluates, and returns the history.
@@ -277,16 +279,21 @@ def train_loop(task: Task, feature_batches: Iterator[list[tuple[Sample, Any]]], 
     With ``opts.time_budget`` the run is fitted to the budget: at each step of ``REPLAN_AT`` (and at the end of
     a run an estimate cut short) the step time since the previous estimate sets ``total_steps``, lower or
     higher but never above the planned count (the learning-rate schedule follows it, so the cosine still
-    reaches its floor), and a run over budget stops at once. Evaluations are not counted."""
+    reaches its floor), and a run over budget stops at once. Evaluations are not counted.
+
+    With ``dp`` (``baton.train.dp``) each rank runs this loop on its share of every global batch; the replicas
+    start from rank 0's parameters, and the step times are max-reduced so the budget decisions agree."""
     torch.manual_seed(opts.seed)
-    gen = torch.Generator().manual_seed(opts.seed)
+    if dp is not None:
+        dp.broadcast_parameters(task.module)
     optimizer = make_optimizer(task.module, opts)
     history = History()
     task.module.train()
     t0 = time.perf_counter()
     if evaluate is not None and opts.eval_every:
         history.evals.append({"step": 0, "accept_length": _evaluate(task, evaluate)})
-    bar = tqdm(total=total_steps, desc=desc, unit="step", disable=env.disable_progress())
+    bar = tqdm(total=total_steps, desc=desc, unit="step",
+               disable=env.disable_progress() or (dp is not None and not dp.is_main))
     budget, spent = opts.time_budget, 0.0  # spent: seconds of steps (evaluations excluded)
     mark = (0, 0.0)  # (steps, seconds) where the current step-time window starts
     planned = total_steps  # the epochs' count: a time budget may cut it, never exceed it
@@ -297,8 +304,9 @@ def train_loop(task: Task, feature_batches: Iterator[list[tuple[Sample, Any]]], 
         for group in optimizer.param_groups:
             group["lr"] = lr
         ts = time.perf_counter()
-        record = _train_step(task, batch, gen, optimizer, opts, device)
-        spent += time.perf_counter() - ts
+        record = _train_step(task, batch, step, optimizer, opts, device, dp)
+        step_s = time.perf_counter() - ts
+        spent += step_s if dp is None else dp.max(step_s)
         if step + 1 == REPLAN_SKIP:
             mark = (step + 1, spent)  # the estimate's window starts after the warm-up steps
         due = budget is not None and (step + 1 in REPLAN_AT or step + 1 == total_steps < planned or spent >= budget)
@@ -307,7 +315,7 @@ def train_loop(task: Task, feature_batches: Iterator[list[tuple[Sample, Any]]], 
             # faster estimate gives back steps an earlier one cut (a run cut short re-estimates at its end)
             fit = replan(planned, step + 1, spent, spent - mark[1], budget, step + 1 - mark[0])
             mark = (step + 1, spent)
-            if fit != total_steps:
+            if fit != total_steps and (dp is None or dp.is_main):
                 log.info("time budget %.0f s: %d steps in %.1f s, total %s from %d to %d steps", budget, step + 1,
                          spent, "cut" if fit < total_steps else "raised", total_steps, fit)
                 total_steps = fit
@@ -316,7 +324,7 @@ def train_loop(task: Task, feature_batches: Iterator[list[tuple[Sample, Any]]], 
         history.steps.append(record)
         bar.update(1)
         bar.set_postfix(loss=f"{record.get('loss', float('nan')):.4f}")
-        if opts.log_every and (step + 1) % opts.log_every == 0:
+        if opts.log_every and (step + 1) % opts.log_every == 0 and (dp is None or dp.is_main):
             log.info("step %d: %s", step + 1, {k: round(v, 5) for k, v in record.items()})
         if evaluate is not None and opts.eval_every and (step + 1) % opts.eval_every == 0 and step + 1 < total_steps:
             history.evals.append({"step": step + 1, "accept_length": _evaluate(task, evaluate)})
@@ -334,10 +342,15 @@ def _evaluate(task: Task, evaluate: Callable[[nn.Module], float]) -> float:
         task.module.train()
 
 
-def _train_step(task: Task, batch: list[tuple[Sample, Any]], gen: torch.Generator,
-                optimizer: torch.optim.Optimizer, opts: TrainOptions, device: torch.device) -> dict[str, float]:
-    plans = [task.plan(sample, gen) for sample, _ in batch]
+def _train_step(task: Task, batch: list[tuple[Sample, Any]], step: int, optimizer: torch.optim.Optimizer,
+                opts: TrainOptions, device: torch.device, dp: DataParallel | None = None) -> dict[str, float]:
+    """One optimiser step on ``batch`` (with ``dp``: this rank's share of the global batch). Each sample's plan
+    draws from its own generator (``plan_generator``: seed, step and the sample's index in the global batch)."""
+    index = (lambda i: i) if dp is None else dp.global_index
+    plans = [task.plan(sample, plan_generator(opts.seed, step, index(i))) for i, (sample, _) in enumerate(batch)]
     total = sum(p.weight_sum for p in plans)
+    if dp is not None:
+        total = dp.sum([total])[0]  # the global normaliser
     optimizer.zero_grad(set_to_none=True)
     if total <= 0:
         return {"loss": float("nan"), "skipped": 1.0}
@@ -345,10 +358,11 @@ def _train_step(task: Task, batch: list[tuple[Sample, Any]], gen: torch.Generato
     batch_loss = getattr(task, "batch_loss", None)  # a task that can run the whole batch in one forward
     if batch_loss is not None:
         kept = [(item, plan) for item, plan in zip(batch, plans, strict=True) if plan.weight_sum > 0]
-        with autocast(device):
-            loss, stats = batch_loss([item for item, _ in kept], [plan for _, plan in kept])
-        (loss / total).backward()
-        loss_sum = loss.detach()
+        if kept:  # (a data-parallel rank's share may hold none)
+            with autocast(device):
+                loss, stats = batch_loss([item for item, _ in kept], [plan for _, plan in kept])
+            (loss / total).backward()
+            loss_sum = loss.detach()
     else:
         for (sample, feats), plan in zip(batch, plans, strict=True):
             if plan.weight_sum <= 0:
@@ -358,11 +372,16 @@ def _train_step(task: Task, batch: list[tuple[Sample, Any]], gen: torch.Generato
             (loss / total).backward()
             loss_sum = loss_sum + loss.detach()
             merge_stats(stats, sample_stats)
+    tokens = float(sum(s.num_tokens for s, _ in batch))
+    if dp is not None:
+        dp.all_reduce_grads(task.module.parameters())
+        loss_sum, tokens = dp.sum([float(loss_sum), tokens])
+        stats = dp.merge_stats(stats)
     params = [p for p in task.module.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, opts.grad_clip) if opts.grad_clip > 0 else torch.tensor(0.0)
     optimizer.step()
     record = {"loss": float(loss_sum) / total, **finish_stats(stats)}
-    record.update(grad_norm=float(grad_norm), tokens=float(sum(s.num_tokens for s, _ in batch)))
+    record.update(grad_norm=float(grad_norm), tokens=tokens)
     return record
 
 

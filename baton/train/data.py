@@ -160,6 +160,7 @@ class DataOptions:
     data_path: str | None = None
     extra_prompts: str | None = None
     num_prompts: int | None = None  # the first N GSM8K prompts (then every extra prompt)
+    skip_prompts: int = 0  # GSM8K prompts skipped before those (a later run adds prompts an earlier one lacked)
     num_extra_prompts: int | None = None
     temperatures: tuple[float, ...] = (0.0, 0.7, 1.0)
     top_p: float = 0.95
@@ -189,6 +190,7 @@ def plan_jobs(opts: DataOptions, tokenizer: Any) -> Jobs:
     items, gsm_rows, shots = [], [], ""
     if opts.data_path:
         items, gsm_rows = load_gsm8k(opts.data_path)
+        items = items[opts.skip_prompts :]
         items = items[: opts.num_prompts] if opts.num_prompts is not None else items
     if opts.extra_prompts:
         extra = load_extra(opts.extra_prompts)

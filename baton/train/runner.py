@@ -31,6 +31,7 @@ from baton.train.common import (
     train_loop,
     write_history,
 )
+from baton.train.dp import DataParallel
 from baton.train.evaluate import AcceptLengthEval, spec_args
 from baton.train.online import FeaturePrefetcher, TargetFeatures
 
@@ -67,26 +68,35 @@ class EvalSpec:
 
 def run_training(task: Task, target: FrozenTarget, layer_ids: Sequence[int], samples: Sequence[Sample],
                  opts: TrainOptions, device: torch.device, eval_spec: EvalSpec | None = None,
-                 title: str = "draft", extra: dict[str, Any] | None = None) -> History:
-    """Train ``task`` on ``samples`` with features from ``target``; save to ``opts.output``."""
+                 title: str = "draft", extra: dict[str, Any] | None = None,
+                 dp: DataParallel | None = None) -> History:
+    """Train ``task`` on ``samples`` with features from ``target``; save to ``opts.output``. With ``dp`` this
+    rank computes features for and trains on its share of each batch; rank 0 alone evaluates and saves."""
     total = steps_for(len(samples), opts.batch_size, opts.epochs, opts.steps)
     provider = TargetFeatures(target.model, target.device, layer_ids, max_len=opts.max_seq_len)
+    main = dp is None or dp.is_main
     tmp, evaluator = None, None
-    if eval_spec is not None and eval_spec.prompts:
+    if eval_spec is not None and eval_spec.prompts and main:
         tmp = tempfile.mkdtemp(prefix="baton-train-eval-")
         task.save(tmp)  # the engine is built from a checkpoint, then takes the trained weights in place
         evaluator = AcceptLengthEval(spec_args(eval_spec.args, eval_spec.algorithm, tmp, eval_spec.num_steps),
                                      eval_spec.prompts, eval_spec.max_new_tokens)
         evaluator.build()  # before the feature worker starts: CUDA graphs are captured with no other thread busy
-    log.info("training %s: %d samples, %d steps of %d sequences", title, len(samples), total, opts.batch_size)
+    if main:
+        log.info("training %s: %d samples, %d steps of %d sequences%s", title, len(samples), total, opts.batch_size,
+                 "" if dp is None else f" over {dp.world} data-parallel ranks")
+    stream = batches(samples, opts.batch_size, total, opts.seed)
+    if dp is not None:
+        stream = (dp.shard(b) for b in stream)
     try:
-        with fast_fp32_matmul(device), FeaturePrefetcher(provider, batches(samples, opts.batch_size, total, opts.seed),
-                                                         device, opts.prefetch) as prefetcher:
+        with fast_fp32_matmul(device), FeaturePrefetcher(provider, stream, device, opts.prefetch) as prefetcher:
             evaluate = None if evaluator is None else _paused(prefetcher, evaluator)
-            history = train_loop(task, iter(prefetcher), total, opts, device, evaluate, desc=title)
+            history = train_loop(task, iter(prefetcher), total, opts, device, evaluate, desc=title, dp=dp)
     finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+    if not main:
+        return history
     task.save(opts.output)
     cast_checkpoint(opts.output, getattr(torch, opts.save_dtype))
     info = {"title": title, "train_options": asdict(opts), **(extra or {})}

@@ -90,3 +90,16 @@ def test_data_generation_is_plain_decoding_even_for_the_embedded_model():
     ns = parser.parse_args(["train", "data", "--output", "x.jsonl", "--speculative-algorithm", "NEXTN"])
     assert data_server_args(ns) is None
     assert baton_main(["train", "data", "--output", "x.jsonl", "--speculative-algorithm", "NEXTN"]) == 2
+
+
+def test_skip_prompts_starts_later_in_gsm8k(tmp_path):
+    """--skip-prompts K --num-prompts N: GSM8K prompts K..K+N-1, keeping their GSM8K ids (so files of two runs merge
+    without clashing ids)."""
+    from baton.train.data import DataOptions, plan_jobs
+
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"a{i}"}) + "\n" for i in range(10)))
+    jobs = plan_jobs(DataOptions(output=str(tmp_path / "o.jsonl"), data_path=str(path), skip_prompts=6,
+                                 num_prompts=3, prompt_formats=("plain",)), tokenizer=None)
+    assert [it.prompt_id for it in jobs.items] == ["gsm8k/6", "gsm8k/7", "gsm8k/8"]
+    assert [it.question for it in jobs.items] == ["q6", "q7", "q8"]
