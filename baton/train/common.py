@@ -315,9 +315,10 @@ def train_loop(task: Task, feature_batches: Iterator[list[tuple[Sample, Any]]], 
             # faster estimate gives back steps an earlier one cut (a run cut short re-estimates at its end)
             fit = replan(planned, step + 1, spent, spent - mark[1], budget, step + 1 - mark[0])
             mark = (step + 1, spent)
-            if fit != total_steps and (dp is None or dp.is_main):
-                log.info("time budget %.0f s: %d steps in %.1f s, total %s from %d to %d steps", budget, step + 1,
-                         spent, "cut" if fit < total_steps else "raised", total_steps, fit)
+            if fit != total_steps:  # every rank of a data-parallel run takes the same decision (same ``spent``)
+                if dp is None or dp.is_main:
+                    log.info("time budget %.0f s: %d steps in %.1f s, total %s from %d to %d steps", budget,
+                             step + 1, spent, "cut" if fit < total_steps else "raised", total_steps, fit)
                 total_steps = fit
                 bar.total = fit
         record.update(step=step + 1, lr=lr, elapsed_s=time.perf_counter() - t0)

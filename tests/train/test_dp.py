@@ -91,3 +91,16 @@ def test_dp_size_errors(tmp_path, target_path, greedy_data, capsys):
                        target_path, "--train-data", train, "--holdout-data", hold, "--output", str(tmp_path / "abl"),
                        "--dp-size", "2", "--device", "cpu", "--target-device", "cpu"]) == 2
     assert "--dp-size is for `baton train nextn|dspark`" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(300)
+def test_time_budget_stops_every_rank_at_the_same_step(tmp_path, target_path, greedy_data):
+    """--time-budget under --dp-size: the ranks share the (max-reduced) step times, so they cut the run at the same
+    step; a rank that kept going would wait in a collective for a peer that has left (gloo then raises)."""
+    train, _ = greedy_data
+    out = str(tmp_path / "cut")
+    assert baton_main(["train", "dspark", "--model-path", target_path, "--target-device", "cpu", "--device", "cpu",
+                       "--train-data", train, "--output", out, "--steps", "40", "--batch-size", "4",
+                       "--time-budget", "0.001", "--save-dtype", "float32", "--eval-prompts", "0", "--dp-size", "2",
+                       "--num-layers", "1", "--block-size", "4", "--markov-rank", "8", "--num-anchors", "6"]) == 0
+    assert len(_losses(out)) == 1  # the budget was spent by the first step: the run ends there on both ranks
