@@ -43,8 +43,9 @@
 #
 # The GGUF (98 MB) does not fit one call beside the 23 MB tree: .carry0, .carry1, .carry2 each hold a third
 # ({part, index, nparts, sha256}; `split -n 3 -d -a 2 <gguf> p.`), so the first three calls of a session carry
-# one each, in any order (a cold restart loses the parts already sent). .carry2 also holds gsm8k/ and
-# optionally traindata.tgz (an earlier session's data/gsm8k{,.holdout}.jsonl: phase r then skips generation).
+# one each, in any order (a cold restart loses the parts already sent). GSM8K travels beside them, split to keep
+# each call under 64 MiB: .carry0/gsm8k/test.jsonl, .carry1/gsm8k/train.jsonl (merged into /tmp/gsm8k). .carry2
+# also holds traindata.tgz (an earlier session's data/gsm8k{,.holdout}.jsonl: phases r and x then skip generation).
 set -uo pipefail
 phase=${1:?phase a|b|c|d}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts /tmp/res /tmp/train
@@ -52,7 +53,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts /tmp/res /tmp/train
 # this (warm) machine it is rebuilt and checked.
 for c in .carry0 .carry1 .carry2 .carry3; do
   [ -f $c/part ] && cp $c/part "/tmp/parts/$(cat $c/index)"
-  [ -d $c/gsm8k ] && rm -rf /tmp/gsm8k && cp -r $c/gsm8k /tmp/gsm8k
+  [ -d $c/gsm8k ] && mkdir -p /tmp/gsm8k && cp $c/gsm8k/* /tmp/gsm8k/  # the files may come in different calls
   [ -f $c/traindata.tgz ] && cp $c/traindata.tgz /tmp/traindata.tgz
   [ -f $c/sha256 ] && cp $c/sha256 /tmp/parts.sha256 && cp $c/nparts /tmp/parts.n 2>/dev/null
 done
@@ -310,9 +311,15 @@ c)  # a call that carries a part of the GGUF (a training session's first two cal
     tp2) OUT=$R timeout -s ABRT ${FP8_S:-230} python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 \
              --quantization fp8 --modes nextn --num-requests 1 > "$R/tp2_fp8_nextn.log" 2>&1
          echo "tp2 fp8 nextn rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_fp8_nextn.log" ;;
-    one) CUDA_VISIBLE_DEVICES=0 OUT=$R timeout ${FP8_S:-230} python3 benchmarks/bench_ling_flash.py --num-layers 42 \
+    one) # GPU 1 meanwhile: the TP2 linear shapes at M=6 again (2026-11-30d's tune stopped before dense_gate_up,
+         # dense_down, router and lm_head); the table comes back in $R for the repository
+         CUDA_VISIBLE_DEVICES=1 timeout ${TUNE_S:-200} python3 -m baton.ops.linear.bench --tune --tp-size 2 --only ling \
+             --m 6 --json "$R/linear_tune_tp2_m6.json" --write-table "$R/nvidia-h200-tp2-m6.json" \
+             > "$R/linear_tune_tp2_m6.log" 2>&1 &
+         CUDA_VISIBLE_DEVICES=0 OUT=$R timeout ${FP8_S:-230} python3 benchmarks/bench_ling_flash.py --num-layers 42 \
              --quantization fp8 --modes nextn --num-requests 1 > "$R/ling42_fp8_nextn.log" 2>&1
-         echo "ling42 fp8 nextn rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8_nextn.log" ;;
+         echo "ling42 fp8 nextn rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8_nextn.log"
+         wait ;;
   esac ;;
 x)  # (the GGUF, carried data) issue 7: an A/B of --batched-loss (30 steps a GPU; BATCHED=0|1 skips it), then two
     # DSpark drafters trained side by side in the background
