@@ -202,8 +202,21 @@ def step_bytes(engine, input_len: int, num_verify: int, experts_per_layer: float
         # num_steps - 1 chain forwards plus the extend, each reading the head's dense weights, the experts one
         # token routes to (an MTP head with a MoE touches top-k of them, not all) and one lm_head pass.
         out["draft"] = float(drafter.num_steps * (draft_head_bytes(drafter.head) + lm_head))
+    elif drafter is not None and hasattr(drafter, "caches"):
+        out["draft"] = block_draft_bytes(drafter, ctx, lm_head)
     out["total"] = sum(out.values())
     return out
+
+
+def block_draft_bytes(drafter, ctx: int, lm_head: int) -> float:
+    """Bytes one step of a block drafter (DSpark / DFlash) reads: its weights once (the layers, the context
+    projection, the Markov and confidence heads; the block and the verified rows' context go through them
+    together), its layers' context cache at ``ctx`` positions, and one lm_head pass for the block's logits."""
+    from baton.cache.kv import KVCache
+
+    weights = sum(p.nbytes for n, p in drafter.model.named_parameters() if "embed" not in n)
+    cache = sum(ctx * (c.k[0].nbytes + c.v[0].nbytes) for c in drafter.caches if isinstance(c, KVCache))
+    return float(weights + cache + lm_head)
 
 
 def draft_head_bytes(head) -> float:

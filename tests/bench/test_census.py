@@ -54,3 +54,26 @@ def test_plot_census_reads_bench_results_and_draws_one_bar_per_mode(tmp_path):
     out = tmp_path / "census.png"
     main([*files, "--output", str(out)])
     assert out.stat().st_size > 10_000
+
+
+def test_step_bytes_count_a_block_drafter(tmp_path):
+    """The floor of a DSpark step includes the drafter: its weights, its context cache and one lm_head pass (the
+    census of 2026-11-30 printed the plain step's floor for it)."""
+    from baton.bench.census import block_draft_bytes, step_bytes
+    from baton.config import load_model_config
+    from baton.spec.dspark_ckpt import write_random_dspark_draft
+    from tests.conftest import TINY_LLAMA
+    from tests.spec.conftest import make_engine, write_checkpoint
+
+    target = write_checkpoint(tmp_path, "llama", TINY_LLAMA)
+    draft = str(tmp_path / "draft")
+    write_random_dspark_draft(load_model_config(target), draft, block_size=4, markov_rank=8)
+    plain = step_bytes(make_engine(target), 100, 1, 0.0)
+    engine = make_engine(target, algorithm="DSPARK", draft_model_path=draft)
+    spec = step_bytes(engine, 100, engine.num_draft_tokens, 0.0)
+    lm_head = engine.model.lm_head_weight.nbytes
+    weights = sum(p.nbytes for n, p in engine.drafter.model.named_parameters() if "embed" not in n)
+    assert spec["draft"] == pytest.approx(block_draft_bytes(engine.drafter, 100, lm_head))
+    assert spec["draft"] > weights + lm_head  # and the context cache on top
+    assert spec["total"] == pytest.approx(sum(v for k, v in spec.items() if k != "total"))
+    assert spec["total"] > plain["total"] + weights
