@@ -71,6 +71,13 @@ def train_tf32() -> bool:
     return _get("BATON_TRAIN_TF32", "1") not in ("0", "", "false", "False")
 
 
+def train_async_h2d() -> bool:
+    """``BATON_TRAIN_ASYNC_H2D`` (default on): draft training copies its per-sequence host tensors (token ids,
+    anchors, slot weights) to the GPU through pinned memory without a stream sync; ``0`` takes the plain blocking
+    copies (an A/B switch)."""
+    return _get("BATON_TRAIN_ASYNC_H2D", "1") not in ("0", "", "false", "False")
+
+
 def train_hf_features() -> bool:
     """``BATON_TRAIN_HF_FEATURES`` (default on): draft training computes a batch's target features in one padded
     transformers forward (llama targets); ``0`` takes baton's forward one sequence at a time."""

@@ -164,6 +164,16 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     return o.transpose(h - 1, h)
 
 
+def to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a stream sync: on CUDA through pinned memory, copied asynchronously
+    (a copy from pageable memory, ``torch.tensor(..., device=cuda)`` included, waits for the GPU to drain its queue,
+    so a training step that makes one per sequence keeps the GPU from running ahead of the host; the caching pinned
+    allocator keeps the buffer until the copy is done)."""
+    if device.type != "cuda" or x.device.type != "cpu" or not env.train_async_h2d():
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 def resolve_device(name: str | None) -> torch.device:
     if name:
         return torch.device(name)

@@ -42,7 +42,7 @@ from baton.models.loader import init_dummy_weights
 from baton.ops.linear import naive
 from baton.spec.dspark import DSparkDraftModel
 from baton.spec.dspark_ckpt import DSparkDraftConfig, draft_config_for, save_dspark_draft
-from baton.train.common import FrozenHead, Sample, Stats, masked_attention
+from baton.train.common import FrozenHead, Sample, Stats, masked_attention, to_device
 from baton.train.online import Features
 
 log = logging.getLogger(__name__)
@@ -192,7 +192,9 @@ class BlockBatch:
 
 
 def make_blocks(ids: torch.Tensor, prompt_len: int, anchors: torch.Tensor, gamma: int,
-                mask_token_id: int) -> BlockBatch:
+                mask_token_id: int, ctx_len: int | None = None) -> BlockBatch:
+    """The packed blocks at ``anchors`` (on ``ids``' device). ``ctx_len``: max(anchors) when the caller knows it
+    on the host (reading it from a device tensor would sync the stream)."""
     t, n = ids.shape[0], anchors.shape[0]
     k = torch.arange(gamma, device=ids.device)
     pos = (anchors[:, None] + k[None, :])  # [n, gamma]
@@ -202,7 +204,8 @@ def make_blocks(ids: torch.Tensor, prompt_len: int, anchors: torch.Tensor, gamma
     inputs[:, 0] = ids[anchors]
     prev = ids[pos.clamp(max=t - 1)]
     labels = ids[label_pos.clamp(max=t - 1)]
-    ctx_len = int(anchors.max()) if n else 0
+    if ctx_len is None:
+        ctx_len = int(anchors.max()) if n else 0
     return BlockBatch(anchors, pos.reshape(-1), inputs.reshape(-1), prev.reshape(-1), labels.reshape(-1), valid,
                       ctx_len)
 
@@ -255,7 +258,11 @@ def block_hidden_states(model: DSparkDraftModel, frozen: FrozenHead, ids: torch.
     """The sequence's part of ``block_outputs``: slot hidden states h [N, d], the blocks, and the target's final
     hidden states at each slot's position [N, d] (the TV target, read from the online features)."""
     gamma = model.config.block_size
-    blocks = make_blocks(ids, prompt_len, anchors.to(ids.device), gamma, model.config.mask_token_id)
+    ctx_len = None
+    if anchors.device.type == "cpu":  # the plan's anchors: the context length known without a device read
+        ctx_len = int(anchors.max()) if anchors.numel() else 0
+        anchors = to_device(anchors, ids.device)
+    blocks = make_blocks(ids, prompt_len, anchors, gamma, model.config.mask_token_id, ctx_len)
     mask = block_mask(blocks.anchors, gamma, blocks.ctx_len)
     h = packed_forward(model, feats.taps[: blocks.ctx_len], frozen.embed(blocks.input_ids), blocks.positions, mask)
     target_pos = blocks.positions.clamp(max=ids.shape[0] - 1)
@@ -362,7 +369,7 @@ class DSparkTask:
         tensors."""
         hs, blocks, targets = [], [], []
         for (sample, feats), plan in zip(items, plans, strict=True):
-            ids = torch.tensor(sample.ids, dtype=torch.long, device=self.device)
+            ids = to_device(torch.tensor(sample.ids, dtype=torch.long), self.device)
             h, b, t = block_hidden_states(self.module, self.frozen, ids, sample.prompt_len, feats, plan.anchors)
             hs.append(h)
             blocks.append(b)
@@ -372,7 +379,7 @@ class DSparkTask:
                                                    torch.cat(targets))
         out = BlockOutputs(logits, target_logits, conf, batch)
         w_host = torch.cat([plan.weights.reshape(-1) for plan in plans])  # [N]
-        w = w_host.to(self.device, non_blocking=True)
+        w = to_device(w_host, self.device)
         parts = dspark_loss(out.logits, out.target_logits, batch.labels, out.conf_logits, w, self.alphas)
         with torch.no_grad():
             stats = _stats(parts, out, w, w_host)

@@ -262,3 +262,24 @@ def test_batched_loss_cli_trains(tmp_path, target_path, greedy_data):
     metrics = json.load(open(os.path.join(out, "metrics.json")))
     assert metrics["dspark_options"]["batched_loss"] is True
     assert len(metrics["steps"]) == 3 and all(math.isfinite(r["loss"]) for r in metrics["steps"])
+
+
+def test_to_device_copies_host_tensors():
+    from baton.train.common import to_device
+
+    x = torch.arange(10)
+    assert torch.equal(to_device(x, torch.device("cpu")), x)
+
+
+@pytest.mark.gpu
+def test_to_device_async_copy_on_cuda(monkeypatch):
+    """The pinned, non-blocking copy lands the same values (read after the stream's queue), and
+    BATON_TRAIN_ASYNC_H2D=0 takes the plain copy."""
+    from baton.train.common import to_device
+
+    dev = torch.device("cuda")
+    x = torch.arange(1000, dtype=torch.long)
+    for flag in ("1", "0"):
+        monkeypatch.setenv("BATON_TRAIN_ASYNC_H2D", flag)
+        y = to_device(x, dev)
+        assert y.device.type == "cuda" and torch.equal(y.cpu(), x)
