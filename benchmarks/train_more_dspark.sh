@@ -48,8 +48,9 @@ if [ "${NEW_DATA:-0}" = 1 ]; then
   done
   wait || true
   ALL=$OUT/data/gsm8k_all.jsonl
-  cat "$DATA" "$OUT"/data/more_[01].jsonl > "$ALL" 2>/dev/null || cp "$DATA" "$ALL"
-  echo "[more] data: $(wc -l < "$DATA") + $(cat "$OUT"/data/more_[01].jsonl 2>/dev/null | wc -l) records at $((SECONDS - t0)) s"
+  files=("$DATA"); for f in "$OUT"/data/more_0.jsonl "$OUT"/data/more_1.jsonl; do [ -s "$f" ] && files+=("$f"); done
+  cat "${files[@]}" > "$ALL"
+  echo "[more] data: $(wc -l < "$DATA") + $(( $(wc -l < "$ALL") - $(wc -l < "$DATA") )) records at $((SECONDS - t0)) s"
   DATA=$ALL; COMMON[1]=$DATA
 fi
 rc=0
