@@ -7,6 +7,7 @@
 #                   ablation at full length);
 #   B (second GPU): the shipped drafter trained further (--init-from baton/drafts/smollm2-135m-instruct/dspark,
 #                   a fresh schedule at LR_B).
+# MODE=b: B alone, on the second GPU (the first when GPUS names one).
 # MODE=dp: B alone over both GPUs (`baton train dspark --dp-size 2`: each GPU half of every batch, twice the
 #   steps of one GPU in the same time); if the data-parallel run fails, B runs on the first GPU instead.
 # NEW_DATA=1: first more data on both GPUs (GSM8K train prompts from SKIP, default 3000, which the 2026-11-29
@@ -61,6 +62,9 @@ if [ "${MODE:-ab}" = dp ]; then
     left=$(( ${TRAIN_BUDGET:-1000} - (SECONDS - t0) )); [ $left -lt 120 ] && left=120
     CUDA_VISIBLE_DEVICES=$(idx "$G0") baton train dspark "${COMMON[@]}" --time-budget $left --lr "${LR_B:-3e-4}" \
         --init-from "$SHIPPED" --output "$OUT/dspark_B" > "$OUT/dspark_B.log" 2>&1 || rc=1; }
+elif [ "${MODE:-ab}" = b ]; then
+  CUDA_VISIBLE_DEVICES=$(idx "$G1") baton train dspark "${COMMON[@]}" --lr "${LR_B:-3e-4}" --init-from "$SHIPPED" \
+      --output "$OUT/dspark_B" > "$OUT/dspark_B.log" 2>&1 || { tr "\r" "\n" < "$OUT/dspark_B.log" | tail -20; rc=1; }
 else
   CUDA_VISIBLE_DEVICES=$(idx "$G0") baton train dspark "${COMMON[@]}" --lr "${LR_A:-6e-4}" --init target \
       --output "$OUT/dspark_A" > "$OUT/dspark_A.log" 2>&1 &
