@@ -57,18 +57,21 @@ def with_shipped_drafts(spec: SpecConfig, embedded: bool, requested: str | None)
         return dataclasses.replace(spec, algorithm=None)
     if not embedded or spec.draft_model_path is not None:
         return spec
+    defaults = shipped_defaults()
     if spec.algorithm is None:
         if spec.simulate_accept_len is not None:
             return spec
-        defaults = shipped_defaults()
         algorithm = defaults.get("algorithm")
         if algorithm is None or shipped_draft(algorithm) is None:
             return spec
         spec = dataclasses.replace(spec, algorithm=algorithm)
-        if spec.num_draft_tokens is None and spec.num_steps is None:
-            spec = dataclasses.replace(spec, num_draft_tokens=defaults.get("num_draft_tokens"),
-                                       num_steps=defaults.get("num_steps"))
         log.info("speculating with the shipped %s draft (--speculative-algorithm none: plain decoding)", algorithm)
+    if (spec.algorithm == defaults.get("algorithm") and spec.num_draft_tokens is None and spec.num_steps is None
+            and spec.simulate_accept_len is None):
+        # the shipped setting of that draft (e.g. DSpark at gamma 8, not its whole trained block), also when the
+        # algorithm was named on the command line without a depth
+        spec = dataclasses.replace(spec, num_draft_tokens=defaults.get("num_draft_tokens"),
+                                   num_steps=defaults.get("num_steps"))
     path = shipped_draft(spec.algorithm)
     if path is None:
         return spec

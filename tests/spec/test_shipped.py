@@ -47,6 +47,15 @@ def test_named_algorithm_takes_the_shipped_draft(shipped):
     assert spec.draft_model_path == str(shipped / "nextn")
 
 
+def test_named_default_algorithm_takes_the_shipped_depth(shipped):
+    """`--speculative-algorithm DSPARK` alone gets the shipped gamma (defaults.json), not the drafter's whole trained
+    block; an explicit depth wins; NEXTN, not the default here, keeps its own default of 3 steps."""
+    assert _args("--speculative-algorithm", "DSPARK").spec.num_draft_tokens == 9
+    assert _args("--speculative-algorithm", "DSPARK", "--speculative-num-draft-tokens", "5").spec.num_draft_tokens == 5
+    nextn = _args("--speculative-algorithm", "NEXTN").spec
+    assert nextn.num_steps == 3 and nextn.num_draft_tokens == 4
+
+
 def test_explicit_paths_and_other_models_are_left_alone(shipped, tmp_path):
     spec = _args("--speculative-algorithm", "NEXTN", "--speculative-draft-model-path", str(tmp_path)).spec
     assert spec.draft_model_path == str(tmp_path)
