@@ -140,7 +140,7 @@ def _worker(rank: int, world: int, port: int, kind: str, fn: Callable[[DataParal
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share the host's cores
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=device if kind == "cuda" else None)
     try:
