@@ -12,6 +12,7 @@
 #   steps of one GPU in the same time); if the data-parallel run fails, B runs on the first GPU instead.
 # NEW_DATA=1: first more data on both GPUs (GSM8K train prompts from SKIP, default 3000, which the 2026-11-29
 #   data did not reach; 5-shot and chat, greedy; DATA_BUDGET seconds), appended to the training data.
+# REPORT=0: stop after training (no STS calibration, no report).
 # Data: OUT/data/gsm8k.jsonl and its holdout, made by baton/train/recipe_smollm2.sh step 1 (reused, not remade).
 # Each run: TRAIN_BUDGET seconds of optimiser steps; then STS calibration and benchmarks/bench_drafts.py (GSM8K
 # test questions, gamma 4, 8, 16, greedy and T 0.7; B's report also runs the shipped NEXTN head at 3 steps). The
@@ -76,6 +77,7 @@ else
   wait $pid_b || { echo "[more] B failed:"; tr "\r" "\n" < "$OUT/dspark_B.log" | tail -20; rc=1; }
 fi
 echo "[more] training done at $((SECONDS - t0)) s"
+[ "${REPORT:-1}" = 1 ] || exit $rc  # REPORT=0: no calibration, no report (a stage of recipe_smollm2.sh)
 for x in A B; do
   g=$G0; ref=(--nextn-steps "")
   # B's report also runs the shipped NEXTN head (3 steps): DSpark's TPOT against NEXTN's in one run (issue 7)
