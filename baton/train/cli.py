@@ -353,7 +353,11 @@ def _run(kind: str, ns: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"baton train {kind}: {e}", file=sys.stderr)
         return 2
-    launch(ns.dp_size, devices, functools.partial(_dp_rank, kind, ns), ns.log_level)
+    try:
+        launch(ns.dp_size, devices, functools.partial(_dp_rank, kind, ns), ns.log_level)
+    except Exception as e:  # a rank's failure (torch.multiprocessing carries its traceback in the message)
+        print(f"baton train {kind} --dp-size {ns.dp_size}: a rank failed:\n{e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -104,3 +104,12 @@ def test_time_budget_stops_every_rank_at_the_same_step(tmp_path, target_path, gr
                        "--time-budget", "0.001", "--save-dtype", "float32", "--eval-prompts", "0", "--dp-size", "2",
                        "--num-layers", "1", "--block-size", "4", "--markov-rank", "8", "--num-anchors", "6"]) == 0
     assert len(_losses(out)) == 1  # the budget was spent by the first step: the run ends there on both ranks
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_rank_is_reported_not_raised(tmp_path, target_path, capsys):
+    """A rank's exception (here: training data that does not exist) ends the run with a message and exit code 1."""
+    assert baton_main(["train", "dspark", "--model-path", target_path, "--target-device", "cpu", "--device", "cpu",
+                       "--train-data", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "out"),
+                       "--steps", "1", "--eval-prompts", "0", "--dp-size", "2"]) == 1
+    assert "a rank failed" in capsys.readouterr().err
