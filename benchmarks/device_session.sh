@@ -44,7 +44,7 @@
 # The GGUF (98 MB) does not fit one call beside the 23 MB tree: .carry0, .carry1, .carry2 each hold a third
 # ({part, index, nparts, sha256}; `split -n 3 -d -a 2 <gguf> p.`), so the first three calls of a session carry
 # one each, in any order (a cold restart loses the parts already sent). GSM8K travels beside them, split to keep
-# each call under 64 MiB: .carry0/gsm8k/test.jsonl, .carry1/gsm8k/train.jsonl (merged into /tmp/gsm8k). .carry2
+# each call under 64 MiB: .carry0/gsm8k/test.jsonl, .carry1/gsm8k/train.jsonl.gz (merged into /tmp/gsm8k). .carry2
 # also holds traindata.tgz (an earlier session's data/gsm8k{,.holdout}.jsonl: phases r and x then skip generation).
 set -uo pipefail
 phase=${1:?phase a|b|c|d}
@@ -54,6 +54,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts /tmp/res /tmp/train
 for c in .carry0 .carry1 .carry2 .carry3; do
   [ -f $c/part ] && cp $c/part "/tmp/parts/$(cat $c/index)"
   [ -d $c/gsm8k ] && mkdir -p /tmp/gsm8k && cp $c/gsm8k/* /tmp/gsm8k/  # the files may come in different calls
+  ls /tmp/gsm8k/*.gz > /dev/null 2>&1 && gunzip -f /tmp/gsm8k/*.gz  # (train.jsonl travels gzipped)
   [ -f $c/traindata.tgz ] && cp $c/traindata.tgz /tmp/traindata.tgz
   [ -f $c/sha256 ] && cp $c/sha256 /tmp/parts.sha256 && cp $c/nparts /tmp/parts.n 2>/dev/null
 done
