@@ -113,3 +113,22 @@ def test_a_failing_rank_is_reported_not_raised(tmp_path, target_path, capsys):
                        "--train-data", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "out"),
                        "--steps", "1", "--eval-prompts", "0", "--dp-size", "2"]) == 1
     assert "a rank failed" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpu_ranks_follow_one_gpu(tmp_path, target_path, greedy_data):
+    """The same over NCCL on two GPUs (bf16 autocast: the two runs agree to bf16 rounding, not to 1e-4)."""
+    train, _ = greedy_data
+    args = ("--num-layers", "1", "--block-size", "4", "--markov-rank", "8", "--num-anchors", "6")
+
+    def run(out: str, dp: int) -> int:
+        return baton_main(["train", "dspark", "--model-path", target_path, "--target-device", "cuda", "--device",
+                           "cuda", "--train-data", train, "--output", out, "--steps", "3", "--batch-size", "5",
+                           "--lr", "3e-3", "--save-dtype", "float32", "--eval-prompts", "0", "--log-every", "1",
+                           "--dp-size", str(dp), *args])
+
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    assert run(one, 1) == 0 and run(two, 2) == 0
+    torch.testing.assert_close(torch.tensor(_losses(two)), torch.tensor(_losses(one)), rtol=2e-2, atol=1e-3)
