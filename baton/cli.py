@@ -302,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"baton: error: {e}", file=sys.stderr)
         rc = 2
+    except FileNotFoundError as e:  # a path on the command line (data, checkpoint, output parent) that is not there
+        print(f"baton: error: {e.strerror}: {e.filename}", file=sys.stderr)
+        rc = 2
     except KeyboardInterrupt:
         rc = 130
     dist = sys.modules.get("baton.dist")

@@ -28,3 +28,11 @@ def test_help_lists_every_command(capsys):
 def test_bad_flag_combination_is_a_clear_error(capsys):
     assert main(["generate", "--speculative-algorithm", "NEXTN", "--speculative-eagle-topk", "4"]) == 2
     assert "topk" in capsys.readouterr().err
+
+
+def test_missing_file_is_an_error_message_not_a_traceback(tmp_path, capsys):
+    missing = str(tmp_path / "nope.jsonl")
+    assert main(["train", "dspark", "--train-data", missing, "--output", str(tmp_path / "o"), "--device", "cpu",
+                 "--target-device", "cpu", "--steps", "1", "--eval-prompts", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"baton: error: No such file or directory: {missing}" in err and "Traceback" not in err
