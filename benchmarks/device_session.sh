@@ -33,7 +33,8 @@
 #   x  (the GGUF)             issue 7: two DSpark drafters trained side by side in the background, then their reports
 #                             (benchmarks/train_more_dspark.sh); y waits for them and packs dspark_A/B + the reports.
 #                             A training session: C_TUNE=1 c (+.carry0), c (+.carry1), x (+.carry2), y, y ...
-#                             MODE=dp NEW_DATA=1: more data first, then B alone over both GPUs (--dp-size 2)
+#                             MODE=dp NEW_DATA=1: more data first, then B alone over both GPUs (--dp-size 2);
+#                             A_INIT=grow: A is the shipped drafter grown to 2 layers (saved fp8) instead of scratch
 #   f, f1                     issue 9's close-out in two calls: f: the MoE kernel tests and fp8 sweeps (one GPU's and a
 #                             TP2 rank's experts), the TP2 linear shapes tuned, then fp8 plain / NEXTN at TP2; f1: fp8 on
 #                             one GPU, then bf16 NEXTN at TP2 with the TP2 linear entries
@@ -322,7 +323,8 @@ c)  # a call that carries a part of the GGUF (a training session's first two cal
          echo "ling42 fp8 nextn rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8_nextn.log"
          wait ;;
   esac ;;
-x)  # (the GGUF, carried data) issue 7: an A/B of --batched-loss (30 steps a GPU; BATCHED=0|1 skips it), then two
+x)  # (the GGUF, carried data) issue 7: an A/B of the async host-to-device copies (30 steps a GPU; ASYNC_AB=0 skips
+    # it; BATCHED_AB=1 also the --batched-loss A/B), then two
     # DSpark drafters trained side by side in the background
     # (benchmarks/train_more_dspark.sh: A from scratch with --init target on GPU 0, B the shipped drafter trained
     # further on GPU 1, TRAIN_BUDGET s each), then STS and the GSM8K report of each; phase y waits for it
@@ -331,8 +333,8 @@ x)  # (the GGUF, carried data) issue 7: an A/B of --batched-loss (30 steps a GPU
   # a private copy of the tree: later calls overwrite this one (and its tuned table) while the runs go on
   rm -rf /tmp/repo_x && mkdir /tmp/repo_x && tar cf - --exclude='./.carry*' --exclude=./.whl . | tar xf - -C /tmp/repo_x
   merge_table /tmp/res/tuned-smol-m9.json /tmp/repo_x/baton/ops/linear/tuned/nvidia-h200.json  # phase c's, if any
-  [ "${MODE:-ab}" = dp ] && BATCHED=${BATCHED:-0}  # (the A/B of 2026-11-30d: 0.255 against 0.259 s/step)
-  if [ "${MODE:-ab}" = dp ] && [ "${ASYNC_AB:-1}" = 1 ]; then
+  BATCHED=${BATCHED:-0}  # --batched-loss: 0.255 against 0.259 s/step on 2026-11-30d; BATCHED_AB=1 measures again
+  if [ "${ASYNC_AB:-1}" = 1 ]; then
     # A/B of the sync-free host-to-device copies (BATON_TRAIN_ASYNC_H2D): 30 steps each, GPU 0 off, GPU 1 on
     for b in 0 1; do
       ( cd /tmp/repo_x && CUDA_VISIBLE_DEVICES=$b BATON_TRAIN_ASYNC_H2D=$b PYTHONPATH=/tmp/site:/tmp/repo_x timeout 110 \
@@ -345,7 +347,7 @@ x)  # (the GGUF, carried data) issue 7: an A/B of --batched-loss (30 steps a GPU
     echo "dspark s/step: blocking copies $(per_step "$R/ab_async_0.log"), async $(per_step "$R/ab_async_1.log")" \
         | tee "$R/ab_async.txt"
   fi
-  if [ -z "${BATCHED:-}" ]; then  # A/B of --batched-loss: 30 steps each, GPU 0 per sequence, GPU 1 batched
+  if [ "${BATCHED_AB:-0}" = 1 ]; then  # A/B of --batched-loss: 30 steps each, GPU 0 per sequence, GPU 1 batched
     for b in 0 1; do
       ( cd /tmp/repo_x && CUDA_VISIBLE_DEVICES=$b PYTHONPATH=/tmp/site:/tmp/repo_x timeout 110 python3 -m baton train \
           dspark --train-data /tmp/train/data/gsm8k.jsonl --output /tmp/ab_batched$b --steps 30 --batch-size 16 \
@@ -361,6 +363,7 @@ x)  # (the GGUF, carried data) issue 7: an A/B of --batched-loss (30 steps a GPU
   EXTRA=""; [ "$BATCHED" = 1 ] && EXTRA="--batched-loss"
   ( cd /tmp/repo_x && setsid nohup env PYTHONPATH=/tmp/site:/tmp/repo_x GSM8K=/tmp/gsm8k GPUS=cuda:0,cuda:1 \
       EXTRA_TRAIN_ARGS="$EXTRA" TRAIN_BUDGET=${TRAIN_BUDGET:-700} MODE=${MODE:-ab} NEW_DATA=${NEW_DATA:-0} \
+      A_INIT=${A_INIT:-scratch} \
       DATA_BUDGET=${DATA_BUDGET:-150} bash benchmarks/train_more_dspark.sh /tmp/train \
       > /tmp/train/more.log 2>&1 < /dev/null & )
   sleep 30; cp /tmp/train/more.log "$R/"; tail -3 /tmp/train/dspark_A.log /tmp/train/dspark_B.log > "$R/start.txt" 2>&1 ;;

@@ -7,6 +7,9 @@
 #                   ablation at full length);
 #   B (second GPU): the shipped drafter trained further (--init-from baton/drafts/smollm2-135m-instruct/dspark,
 #                   a fresh schedule at LR_B).
+#   A_INIT=grow: A is instead the shipped drafter grown to GROW (default 2) layers (`--grow-layers`: the new
+#   layers start with zero output projections, so A starts as B does), saved in fp8 (`--save-dtype fp8`: a
+#   2-layer drafter in fp8 is 9.3 MB, under the 20 MB the two shipped drafts may take) at LR_A (default 3e-4).
 # MODE=b: B alone, on the second GPU (the first when GPUS names one).
 # MODE=dp: B alone over both GPUs (`baton train dspark --dp-size 2`: each GPU half of every batch, twice the
 #   steps of one GPU in the same time); if the data-parallel run fails, B runs on the first GPU instead.
@@ -67,7 +70,12 @@ elif [ "${MODE:-ab}" = b ]; then
   CUDA_VISIBLE_DEVICES=$(idx "$G1") baton train dspark "${COMMON[@]}" --lr "${LR_B:-3e-4}" --init-from "$SHIPPED" \
       --output "$OUT/dspark_B" > "$OUT/dspark_B.log" 2>&1 || { tr "\r" "\n" < "$OUT/dspark_B.log" | tail -20; rc=1; }
 else
-  CUDA_VISIBLE_DEVICES=$(idx "$G0") baton train dspark "${COMMON[@]}" --lr "${LR_A:-6e-4}" --init target \
+  if [ "${A_INIT:-scratch}" = grow ]; then  # the shipped drafter deepened (new layers start as the identity)
+    A_ARGS=(--lr "${LR_A:-3e-4}" --init-from "$SHIPPED" --grow-layers "${GROW:-2}" --save-dtype fp8)
+  else
+    A_ARGS=(--lr "${LR_A:-6e-4}" --init target)
+  fi
+  CUDA_VISIBLE_DEVICES=$(idx "$G0") baton train dspark "${COMMON[@]}" "${A_ARGS[@]}" \
       --output "$OUT/dspark_A" > "$OUT/dspark_A.log" 2>&1 &
   pid_a=$!
   CUDA_VISIBLE_DEVICES=$(idx "$G1") baton train dspark "${COMMON[@]}" --lr "${LR_B:-3e-4}" --init-from "$SHIPPED" \

@@ -88,8 +88,10 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-every", type=int, default=20, help="steps between log lines (all steps: metrics.json)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--prefetch", type=int, default=2, help="batches of target features computed ahead")
-    g.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                   help="dtype of the saved draft's weights (training itself runs in fp32; bf16 halves the file)")
+    g.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "fp8"],
+                   help="dtype of the saved draft's weights (training itself runs in fp32; bf16 halves the file; fp8: "
+                        "the matrices in e4m3 with 128 x 128 block scales, the rest bf16, half a bf16 file again; "
+                        "the loaders dequantise it)")
     g.add_argument("--dp-size", type=int, default=1, metavar="N",
                    help="data parallel: N processes on cuda:0..N-1 (each its own target and draft replica; "
                         "--device / --target-device then only choose cuda or cpu) split every batch of "
@@ -131,6 +133,10 @@ def _add_dspark_args(p: argparse.ArgumentParser) -> None:
     _add_init_arg(p, g)
     g.add_argument("--algorithm", default="dspark", choices=["dspark", "dflash"],
                    help="dflash: backbone only (no Markov / confidence head), CE loss")
+    g.add_argument("--grow-layers", type=int, default=None, metavar="N",
+                   help="with --init-from: N draft layers, the checkpoint's first and new ones appended with their "
+                        "output projections (o_proj, down_proj) at zero, so training starts from the checkpoint's "
+                        "exact function (a deeper draft without starting over)")
     g.add_argument("--block-size", type=int, default=7, help="gamma: query slots = drafts per round")
     g.add_argument("--num-layers", type=int, default=2, help="draft depth")
     g.add_argument("--markov-rank", type=int, default=256, help="Markov head rank (0 = DFlash)")
@@ -267,8 +273,11 @@ def _load_init_from(model, path: str, kind: str, target=None) -> None:
 
 def run_dspark(ns: argparse.Namespace, target=None, dp=None):
     """Train a DSpark / DFlash draft as ``ns`` says (``dp`` as in ``run_nextn``); returns the History."""
+    import dataclasses
+
+    from baton.config import ConfigError
     from baton.train.common import FrozenHead, read_samples, resolve_device
-    from baton.train.dspark import DSparkTask, build_trainable_draft
+    from baton.train.dspark import DSparkTask, build_trainable_draft, grow_draft
     from baton.train.runner import load_frozen_target, run_training
 
     target = target or load_frozen_target(_target_args(ns))
@@ -276,9 +285,19 @@ def run_dspark(ns: argparse.Namespace, target=None, dp=None):
     dopts = _dspark_options(ns)
     if getattr(ns, "init_from", None):
         dopts = _dspark_options_from(dopts, ns.init_from)
-    model, cfg = build_trainable_draft(target.config, dopts, device, target.model)
-    if getattr(ns, "init_from", None):
-        _load_init_from(model, ns.init_from, "dspark")
+    grow = getattr(ns, "grow_layers", None)
+    if grow is not None:
+        if not getattr(ns, "init_from", None):
+            raise ConfigError("--grow-layers needs --init-from (the draft whose layers it starts from)")
+        if grow <= dopts.num_layers:
+            raise ConfigError(f"--grow-layers {grow}: the checkpoint {ns.init_from} has {dopts.num_layers} layer(s); "
+                              "ask for more")
+        model, cfg = grow_draft(target.config, dopts, grow, ns.init_from, device, target.model)
+        dopts = dataclasses.replace(dopts, num_layers=grow)
+    else:
+        model, cfg = build_trainable_draft(target.config, dopts, device, target.model)
+        if getattr(ns, "init_from", None):
+            _load_init_from(model, ns.init_from, "dspark")
     task = DSparkTask(model, cfg, FrozenHead(target.model, device), dopts, device)
     samples = read_samples(ns.train_data, ns.max_seq_len)
     algorithm = "DSPARK" if dopts.with_heads else "DFLASH"

@@ -111,6 +111,34 @@ def build_trainable_draft(target_cfg: ModelConfig, dopts: DSparkOptions, device:
     return model, cfg
 
 
+def grow_draft(target_cfg: ModelConfig, dopts: DSparkOptions, num_layers: int, path: str, device: torch.device,
+               target: torch.nn.Module | None = None) -> tuple[DSparkDraftModel, DSparkDraftConfig]:
+    """A ``num_layers``-layer fp32 draft that computes exactly what the checkpoint at ``path`` (``dopts``: its
+    architecture, fewer layers) computes: its weights, then new layers appended whose output projections
+    (``o_proj``, ``down_proj``) are zero, so each adds nothing to the residual stream until training moves them.
+    The new layers' other weights keep ``build_trainable_draft``'s initialisation."""
+    import dataclasses
+
+    from baton.spec.dspark_ckpt import load_dspark_weights
+
+    small, _ = build_trainable_draft(target_cfg, dataclasses.replace(dopts, init="random"), device, target)
+    load_dspark_weights(small, path, ignore_heads=False)
+    model, cfg = build_trainable_draft(target_cfg, dataclasses.replace(dopts, num_layers=num_layers, init="random"),
+                                       device, target)
+    result = model.load_state_dict(small.state_dict(), strict=False)
+    new = {f"layers.{i}." for i in range(dopts.num_layers, num_layers)}
+    if result.unexpected_keys or any(not k.startswith(tuple(new)) for k in result.missing_keys):
+        raise ConfigError(f"--grow-layers: the checkpoint {path} does not fit a {num_layers}-layer draft "
+                          f"(missing {result.missing_keys[:3]}, unexpected {result.unexpected_keys[:3]})")
+    with torch.no_grad():
+        for layer in model.layers[dopts.num_layers:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    log.info("--grow-layers: %d layer(s) from %s, %d new with zero output projections", dopts.num_layers, path,
+             num_layers - dopts.num_layers)
+    return model, cfg
+
+
 def copy_target_layers(model: DSparkDraftModel, target: torch.nn.Module) -> None:
     """Draft layer i <- the target's decoder layer L - n + i (n draft layers): its norms, MLP and attention
     projections, the fused ``qkv_proj`` split into q / k / v. Every draft tensor must find a target tensor of its
@@ -409,4 +437,5 @@ def _stats(parts: LossParts, out: BlockOutputs, w: torch.Tensor, w_host: torch.T
 
 __all__ = ["DFLASH_ALPHAS", "DSPARK_ALPHAS", "BlockOutputs", "DSparkOptions", "DSparkTask", "block_hidden_states",
            "block_mask", "block_outputs", "build_trainable_draft", "cat_blocks", "copy_target_layers", "dspark_loss",
+           "grow_draft",
            "head_outputs", "make_blocks", "packed_forward", "position_weights", "sample_anchors", "slot_weights"]

@@ -19,7 +19,7 @@ from baton.config import ModelConfig, ServerArgs
 from baton.engine.engine import pick_device
 from baton.models.base import CausalLM
 from baton.models.load import load_target
-from baton.models.loader import cast_checkpoint, parse_dtype
+from baton.models.loader import cast_checkpoint, parse_dtype, quantize_checkpoint_fp8
 from baton.train.common import (
     History,
     Sample,
@@ -98,7 +98,10 @@ def run_training(task: Task, target: FrozenTarget, layer_ids: Sequence[int], sam
     if not main:
         return history
     task.save(opts.output)
-    cast_checkpoint(opts.output, getattr(torch, opts.save_dtype))
+    if opts.save_dtype == "fp8":  # matrices in fp8 with block scales (half a bf16 draft), the rest bf16
+        quantize_checkpoint_fp8(opts.output)
+    else:
+        cast_checkpoint(opts.output, getattr(torch, opts.save_dtype))
     info = {"title": title, "train_options": asdict(opts), **(extra or {})}
     png = write_history(history, opts.output, title, info)
     with open(os.path.join(opts.output, "train_args.json"), "w") as f:

@@ -283,3 +283,64 @@ def test_to_device_async_copy_on_cuda(monkeypatch):
         monkeypatch.setenv("BATON_TRAIN_ASYNC_H2D", flag)
         y = to_device(x, dev)
         assert y.device.type == "cuda" and torch.equal(y.cpu(), x)
+
+
+@pytest.mark.timeout(300)
+def test_grow_layers_keeps_the_function_and_fp8_storage_loads(tmp_path, target_path, greedy_data):
+    """--grow-layers 2 from a 1-layer draft: the new layer starts with zero output projections, so with lr 0 the
+    grown draft drafts exactly what the original does (same accept length, same greedy output as plain decoding).
+    --save-dtype fp8 writes the matrices in e4m3 with block scales; the serving loader dequantises them."""
+    from safetensors.torch import load_file
+
+    from baton.config import load_model_config
+    from baton.spec.dspark_ckpt import write_random_dspark_draft
+
+    train, _ = greedy_data
+    start = str(tmp_path / "start")
+    write_random_dspark_draft(load_model_config(target_path), start, seed=3, block_size=4, markov_rank=8)
+    grown = str(tmp_path / "grown")
+    assert baton_main(["train", "dspark", "--model-path", target_path, "--target-device", "cpu", "--device", "cpu",
+                       "--train-data", train, "--output", grown, "--steps", "1", "--batch-size", "2", "--lr", "0",
+                       "--save-dtype", "float32", "--eval-prompts", "0", "--init-from", start,
+                       "--grow-layers", "2"]) == 0
+    cfg = json.load(open(os.path.join(grown, "config.json")))
+    assert cfg["num_hidden_layers"] == 2
+    w = load_file(os.path.join(grown, "model.safetensors"))
+    assert float(w["layers.1.self_attn.o_proj.weight"].abs().max()) == 0.0
+    assert float(w["layers.1.mlp.down_proj.weight"].abs().max()) == 0.0
+    assert float(w["layers.1.self_attn.q_proj.weight"].abs().max()) > 0.0
+    torch.testing.assert_close(w["layers.0.mlp.down_proj.weight"],
+                               load_file(os.path.join(start, "model.safetensors"))["layers.0.mlp.down_proj.weight"])
+    prompts = holdout_prompts(train)[:3]
+    plain = _greedy(make_engine(target_path), prompts, 16)
+    a = measure_accept_length(make_engine(target_path, algorithm="DSPARK", draft_model_path=start), prompts, 16)
+    b = measure_accept_length(make_engine(target_path, algorithm="DSPARK", draft_model_path=grown), prompts, 16)
+    assert a.outputs == b.outputs == plain
+    assert b.accept_length == pytest.approx(a.accept_length)
+
+    q8 = str(tmp_path / "fp8")
+    assert baton_main(["train", "dspark", "--model-path", target_path, "--target-device", "cpu", "--device", "cpu",
+                       "--train-data", train, "--output", q8, "--steps", "1", "--batch-size", "2", "--lr", "0",
+                       "--save-dtype", "fp8", "--eval-prompts", "0", "--init-from", start]) == 0
+    t = load_file(os.path.join(q8, "model.safetensors"))
+    assert t["layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    assert "layers.0.mlp.down_proj.weight_scale_inv" in t
+    assert os.path.getsize(os.path.join(q8, "model.safetensors")) < 0.7 * os.path.getsize(
+        os.path.join(start, "model.safetensors")) / 2  # under 70% of a bf16 file (the start is fp32)
+    c = measure_accept_length(make_engine(target_path, algorithm="DSPARK", draft_model_path=q8), prompts, 16)
+    assert c.outputs == plain  # the gate holds whatever the draft's rounding
+
+
+def test_grow_layers_needs_init_from_and_more_layers(tmp_path, target_path, greedy_data, capsys):
+    from baton.config import load_model_config
+    from baton.spec.dspark_ckpt import write_random_dspark_draft
+
+    train, _ = greedy_data
+    start = str(tmp_path / "start")
+    write_random_dspark_draft(load_model_config(target_path), start, block_size=4, markov_rank=8, num_layers=2)
+    base = ["train", "dspark", "--model-path", target_path, "--target-device", "cpu", "--device", "cpu",
+            "--train-data", train, "--output", str(tmp_path / "o"), "--steps", "1", "--eval-prompts", "0"]
+    assert baton_main([*base, "--grow-layers", "2"]) == 2
+    assert "--grow-layers needs --init-from" in capsys.readouterr().err
+    assert baton_main([*base, "--grow-layers", "2", "--init-from", start]) == 2
+    assert "has 2 layer(s)" in capsys.readouterr().err
