@@ -10,7 +10,7 @@
 #   A_INIT=grow: A is instead the shipped drafter grown to GROW (default 2) layers (`--grow-layers`: the new
 #   layers start with zero output projections, so A starts as B does), saved in fp8 (`--save-dtype fp8`: a
 #   2-layer drafter in fp8 is 9.3 MB, under the 20 MB the two shipped drafts may take) at LR_A (default 3e-4).
-# MODE=b: B alone, on the second GPU (the first when GPUS names one).
+# MODE=a: A alone, on the first GPU. MODE=b: B alone, on the second GPU (the first when GPUS names one).
 # MODE=dp: B alone over both GPUs (`baton train dspark --dp-size 2`: each GPU half of every batch, twice the
 #   steps of one GPU in the same time); if the data-parallel run fails, B runs on the first GPU instead.
 # NEW_DATA=1: first more data on both GPUs (GSM8K train prompts from SKIP, default 3000, which the 2026-11-29
@@ -78,11 +78,13 @@ else
   CUDA_VISIBLE_DEVICES=$(idx "$G0") baton train dspark "${COMMON[@]}" "${A_ARGS[@]}" \
       --output "$OUT/dspark_A" > "$OUT/dspark_A.log" 2>&1 &
   pid_a=$!
-  CUDA_VISIBLE_DEVICES=$(idx "$G1") baton train dspark "${COMMON[@]}" --lr "${LR_B:-3e-4}" --init-from "$SHIPPED" \
-      --output "$OUT/dspark_B" > "$OUT/dspark_B.log" 2>&1 &
-  pid_b=$!
+  if [ "${MODE:-ab}" != a ]; then
+    CUDA_VISIBLE_DEVICES=$(idx "$G1") baton train dspark "${COMMON[@]}" --lr "${LR_B:-3e-4}" --init-from "$SHIPPED" \
+        --output "$OUT/dspark_B" > "$OUT/dspark_B.log" 2>&1 &
+    pid_b=$!
+  fi
   wait $pid_a || { echo "[more] A failed:"; tr "\r" "\n" < "$OUT/dspark_A.log" | tail -20; rc=1; }
-  wait $pid_b || { echo "[more] B failed:"; tr "\r" "\n" < "$OUT/dspark_B.log" | tail -20; rc=1; }
+  [ "${MODE:-ab}" = a ] || wait $pid_b || { echo "[more] B failed:"; tr "\r" "\n" < "$OUT/dspark_B.log" | tail -20; rc=1; }
 fi
 echo "[more] training done at $((SECONDS - t0)) s"
 [ "${REPORT:-1}" = 1 ] || exit $rc  # REPORT=0: no calibration, no report (a stage of recipe_smollm2.sh)

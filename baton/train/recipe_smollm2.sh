@@ -12,7 +12,7 @@
 #   SHIP=1 ...                                                    # copy the drafts into baton/drafts (the default)
 #   DATA_BUDGET=270 TRAIN_BUDGET=300 ...                          # seconds: cut generation / each training run to fit
 #   REUSE_DATA=1 ...                                              # keep an existing OUT/data/gsm8k.jsonl (no step 1)
-#   DSPARK_MORE="b:850 dp:800:data" ...                           # DSpark trained further in stages (below)
+#   DSPARK_MORE="b:850 grow:800:data" ...                         # DSpark trained further in stages (below)
 #
 # The shipped sizes (NEXTN one layer; DSpark one layer, block 16, Markov rank 16, taps 1,27; both bf16) keep
 # the two drafts under 20 MB. Each training directory gets the checkpoint, metrics.json and train_curves.png;
@@ -74,17 +74,25 @@ wait $pid_n || { tail -20 "$OUT/nextn.log"; exit 1; }
 stamp nextn
 
 # 3b. DSpark trained further, stage after stage (benchmarks/train_more_dspark.sh, each from the previous stage's
-#     drafter with a fresh cosine schedule at lr 3e-4): MODE:SECONDS[:data], MODE b (one GPU) or dp (both GPUs,
-#     --dp-size 2); ":data" first adds responses for the GSM8K prompts step 1 did not reach. The shipped drafter
-#     of 2026-11-30 is DSPARK_MORE="b:850".
+#     drafter with a fresh cosine schedule at lr 3e-4): MODE:SECONDS[:data], MODE b (one GPU), dp (both GPUs,
+#     --dp-size 2) or grow (one GPU: the drafter grown by one layer, --grow-layers, saved in fp8); ":data" first
+#     adds responses for the GSM8K prompts step 1 did not reach. The shipped drafter of 2026-11-30 is
+#     DSPARK_MORE="b:850".
 prev=$OUT/dspark; i=0
 for stage in ${DSPARK_MORE:-}; do
   IFS=: read -r mode secs extra <<< "$stage"
   S=$OUT/more_$i; mkdir -p "$S"; ln -sfn ../data "$S/data"
-  SHIPPED=$prev MODE=$mode TRAIN_BUDGET=$secs NEW_DATA=$([ "$extra" = data ] && echo 1 || echo 0) REPORT=0 \
-      GPUS=$GPUS GSM8K=$GSM8K bash benchmarks/train_more_dspark.sh "$S" > "$OUT/more_$i.log" 2>&1 \
+  run=B; a_init=scratch
+  if [ "$mode" = grow ]; then
+    mode=a; run=A; a_init=grow
+    GROW=$(( $(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['num_hidden_layers'])" \
+                "$prev/config.json") + 1 ))
+    export GROW
+  fi
+  SHIPPED=$prev MODE=$mode A_INIT=$a_init TRAIN_BUDGET=$secs NEW_DATA=$([ "$extra" = data ] && echo 1 || echo 0) \
+      REPORT=0 GPUS=$GPUS GSM8K=$GSM8K bash benchmarks/train_more_dspark.sh "$S" > "$OUT/more_$i.log" 2>&1 \
       || { tail -20 "$OUT/more_$i.log"; exit 1; }
-  prev=$S/dspark_B; i=$((i + 1))
+  prev=$S/dspark_$run; i=$((i + 1))
   stamp "dspark stage $stage"
 done
 if [ "$prev" != "$OUT/dspark" ]; then rm -rf "$OUT/dspark" && cp -r "$prev" "$OUT/dspark"; fi
