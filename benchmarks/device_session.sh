@@ -334,28 +334,24 @@ x)  # (the GGUF, carried data) issue 7: an A/B of the async host-to-device copie
   rm -rf /tmp/repo_x && mkdir /tmp/repo_x && tar cf - --exclude='./.carry*' --exclude=./.whl . | tar xf - -C /tmp/repo_x
   merge_table /tmp/res/tuned-smol-m9.json /tmp/repo_x/baton/ops/linear/tuned/nvidia-h200.json  # phase c's, if any
   BATCHED=${BATCHED:-0}  # --batched-loss: 0.255 against 0.259 s/step on 2026-11-30d; BATCHED_AB=1 measures again
+  # ab_steps NAME GPU [ENV=V ...] [-- ARGS]: 30 DSpark steps of the shipped shape on GPU, log $R/ab_NAME_GPU.log
+  ab_steps() {
+    local name=$1 gpu=$2; shift 2
+    local envs=(); while [ $# -gt 0 ] && [ "$1" != -- ]; do envs+=("$1"); shift; done; [ $# -gt 0 ] && shift
+    ( cd /tmp/repo_x && env CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=/tmp/site:/tmp/repo_x "${envs[@]}" timeout 110 \
+        python3 -m baton train dspark --train-data /tmp/train/data/gsm8k.jsonl --output /tmp/ab_$name$gpu --steps 30 \
+        --batch-size 16 --lr 6e-4 --log-every 10 --num-layers 1 --block-size 16 --markov-rank 16 \
+        --target-layer-ids 1,27 --num-anchors 256 --eval-prompts 0 --device cuda:0 --target-device cuda:0 "$@" \
+        > "$R/ab_${name}_$gpu.log" 2>&1 )
+  }
   if [ "${ASYNC_AB:-1}" = 1 ]; then
     # A/B of the sync-free host-to-device copies (BATON_TRAIN_ASYNC_H2D): 30 steps each, GPU 0 off, GPU 1 on
-    for b in 0 1; do
-      ( cd /tmp/repo_x && CUDA_VISIBLE_DEVICES=$b BATON_TRAIN_ASYNC_H2D=$b PYTHONPATH=/tmp/site:/tmp/repo_x timeout 110 \
-          python3 -m baton train dspark --train-data /tmp/train/data/gsm8k.jsonl --output /tmp/ab_async$b --steps 30 \
-          --batch-size 16 --lr 6e-4 --log-every 10 --num-layers 1 --block-size 16 --markov-rank 16 \
-          --target-layer-ids 1,27 --num-anchors 256 --eval-prompts 0 --device cuda:0 --target-device cuda:0 \
-          > "$R/ab_async_$b.log" 2>&1 ) &
-    done
-    wait
+    ab_steps async 0 BATON_TRAIN_ASYNC_H2D=0 & ab_steps async 1 BATON_TRAIN_ASYNC_H2D=1 & wait
     echo "dspark s/step: blocking copies $(per_step "$R/ab_async_0.log"), async $(per_step "$R/ab_async_1.log")" \
         | tee "$R/ab_async.txt"
   fi
   if [ "${BATCHED_AB:-0}" = 1 ]; then  # A/B of --batched-loss: 30 steps each, GPU 0 per sequence, GPU 1 batched
-    for b in 0 1; do
-      ( cd /tmp/repo_x && CUDA_VISIBLE_DEVICES=$b PYTHONPATH=/tmp/site:/tmp/repo_x timeout 110 python3 -m baton train \
-          dspark --train-data /tmp/train/data/gsm8k.jsonl --output /tmp/ab_batched$b --steps 30 --batch-size 16 \
-          --lr 6e-4 --log-every 10 --num-layers 1 --block-size 16 --markov-rank 16 --target-layer-ids 1,27 \
-          --num-anchors 256 --eval-prompts 0 --device cuda:0 --target-device cuda:0 \
-          $([ $b = 1 ] && echo --batched-loss) > "$R/ab_batched_$b.log" 2>&1 ) &
-    done
-    wait
+    ab_steps batched 0 & ab_steps batched 1 -- --batched-loss & wait
     off=$(per_step "$R/ab_batched_0.log"); on=$(per_step "$R/ab_batched_1.log")
     BATCHED=$(faster "$on" "$off")
     echo "dspark s/step: per sequence $off, batched $on -> BATCHED=$BATCHED" | tee "$R/ab_batched.txt"

@@ -59,16 +59,17 @@ if [ "${NEW_DATA:-0}" = 1 ]; then
   DATA=$ALL; COMMON[1]=$DATA
 fi
 rc=0
+B_ARGS=(--lr "${LR_B:-3e-4}" --init-from "$SHIPPED" --output "$OUT/dspark_B")
 if [ "${MODE:-ab}" = dp ]; then
-  CUDA_VISIBLE_DEVICES=$(idx "$G0"),$(idx "$G1") baton train dspark "${COMMON[@]}" --lr "${LR_B:-3e-4}" \
-      --init-from "$SHIPPED" --dp-size 2 --output "$OUT/dspark_B" > "$OUT/dspark_B.log" 2>&1 || {
+  CUDA_VISIBLE_DEVICES=$(idx "$G0"),$(idx "$G1") baton train dspark "${COMMON[@]}" "${B_ARGS[@]}" --dp-size 2 \
+      > "$OUT/dspark_B.log" 2>&1 || {
     echo "[more] the data-parallel run failed:"; tr "\r" "\n" < "$OUT/dspark_B.log" | tail -20
     left=$(( ${TRAIN_BUDGET:-1000} - (SECONDS - t0) )); [ $left -lt 120 ] && left=120
-    CUDA_VISIBLE_DEVICES=$(idx "$G0") baton train dspark "${COMMON[@]}" --time-budget $left --lr "${LR_B:-3e-4}" \
-        --init-from "$SHIPPED" --output "$OUT/dspark_B" > "$OUT/dspark_B.log" 2>&1 || rc=1; }
+    CUDA_VISIBLE_DEVICES=$(idx "$G0") baton train dspark "${COMMON[@]}" "${B_ARGS[@]}" --time-budget $left \
+        > "$OUT/dspark_B.log" 2>&1 || rc=1; }
 elif [ "${MODE:-ab}" = b ]; then
-  CUDA_VISIBLE_DEVICES=$(idx "$G1") baton train dspark "${COMMON[@]}" --lr "${LR_B:-3e-4}" --init-from "$SHIPPED" \
-      --output "$OUT/dspark_B" > "$OUT/dspark_B.log" 2>&1 || { tr "\r" "\n" < "$OUT/dspark_B.log" | tail -20; rc=1; }
+  CUDA_VISIBLE_DEVICES=$(idx "$G1") baton train dspark "${COMMON[@]}" "${B_ARGS[@]}" > "$OUT/dspark_B.log" 2>&1 \
+      || { tr "\r" "\n" < "$OUT/dspark_B.log" | tail -20; rc=1; }
 else
   if [ "${A_INIT:-scratch}" = grow ]; then  # the shipped drafter deepened (new layers start as the identity)
     A_ARGS=(--lr "${LR_A:-3e-4}" --init-from "$SHIPPED" --grow-layers "${GROW:-2}" --save-dtype fp8)
@@ -79,8 +80,7 @@ else
       --output "$OUT/dspark_A" > "$OUT/dspark_A.log" 2>&1 &
   pid_a=$!
   if [ "${MODE:-ab}" != a ]; then
-    CUDA_VISIBLE_DEVICES=$(idx "$G1") baton train dspark "${COMMON[@]}" --lr "${LR_B:-3e-4}" --init-from "$SHIPPED" \
-        --output "$OUT/dspark_B" > "$OUT/dspark_B.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=$(idx "$G1") baton train dspark "${COMMON[@]}" "${B_ARGS[@]}" > "$OUT/dspark_B.log" 2>&1 &
     pid_b=$!
   fi
   wait $pid_a || { echo "[more] A failed:"; tr "\r" "\n" < "$OUT/dspark_A.log" | tail -20; rc=1; }

@@ -195,7 +195,7 @@ def step_bytes(engine, input_len: int, num_verify: int, experts_per_layer: float
         elif isinstance(c, MLACache):
             cache_read += ctx * c.latent.shape[1] * c.latent.element_size()
         elif isinstance(c, KVCache):
-            cache_read += ctx * (c.k[0].nbytes + c.v[0].nbytes)
+            cache_read += _kv_bytes(c, ctx)
     out = {"dense_weights": float(dense), "experts": expert_bytes, "state": float(state), "cache": float(cache_read)}
     drafter = engine.drafter
     if drafter is not None and hasattr(drafter, "head"):
@@ -215,8 +215,13 @@ def block_draft_bytes(drafter, ctx: int, lm_head: int) -> float:
     from baton.cache.kv import KVCache
 
     weights = sum(p.nbytes for n, p in drafter.model.named_parameters() if "embed" not in n)
-    cache = sum(ctx * (c.k[0].nbytes + c.v[0].nbytes) for c in drafter.caches if isinstance(c, KVCache))
+    cache = sum(_kv_bytes(c, ctx) for c in drafter.caches if isinstance(c, KVCache))
     return float(weights + cache + lm_head)
+
+
+def _kv_bytes(cache, ctx: int) -> int:
+    """Bytes an attention read of a GQA KV cache over ``ctx`` positions moves (K and V rows)."""
+    return ctx * (cache.k[0].nbytes + cache.v[0].nbytes)
 
 
 def draft_head_bytes(head) -> float:

@@ -412,18 +412,30 @@ def _init_dummy_sliced(model: nn.Module, full_model: nn.Module, seed: int) -> No
                     mine.view(params).copy_(mine.take(full_layout[ckpt].view(fulls)))
 
 
-def cast_checkpoint(path: str, dtype: torch.dtype) -> None:
-    """Rewrite the safetensors files of a checkpoint directory with every floating tensor in ``dtype`` (drafts
-    train in fp32 and ship in bf16). fp8 weights and their scales are left as they are."""
+def _rewrite_checkpoint(path: str, convert) -> None:
+    """Rewrite each safetensors file of the checkpoint directory ``path`` with ``convert(name, tensor)`` (a dict of
+    the tensors to write for it); a file whose tensors all come back unchanged is left alone."""
     for fn in safetensors_files(path):
         with safe_open(fn, "pt") as f:
             meta = f.metadata()
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-        keep = (torch.float8_e4m3fn,)
-        out = {k: (t.to(dtype) if t.is_floating_point() and t.dtype not in keep and not k.endswith("_scale_inv")
-                   else t).contiguous() for k, t in tensors.items()}
-        if any(out[k].dtype != tensors[k].dtype for k in out):
-            save_file(out, fn, metadata=meta)
+        out: dict[str, torch.Tensor] = {}
+        for k, t in tensors.items():
+            out.update(convert(k, t))
+        if out.keys() != tensors.keys() or any(out[k] is not tensors[k] for k in out):
+            save_file({k: v.contiguous() for k, v in out.items()}, fn, metadata=meta)
+
+
+def cast_checkpoint(path: str, dtype: torch.dtype) -> None:
+    """Rewrite the safetensors files of a checkpoint directory with every floating tensor in ``dtype`` (drafts
+    train in fp32 and ship in bf16). fp8 weights and their scales are left as they are."""
+
+    def convert(k: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        if t.is_floating_point() and not _is_fp8(t) and not k.endswith("_scale_inv") and t.dtype != dtype:
+            return {k: t.to(dtype)}
+        return {k: t}
+
+    _rewrite_checkpoint(path, convert)
 
 
 def quantize_checkpoint_fp8(path: str, min_dim: int = 16) -> int:
@@ -434,21 +446,18 @@ def quantize_checkpoint_fp8(path: str, min_dim: int = 16) -> int:
     from baton.ops.quant.fp8 import quantize_fp8_block
 
     count = 0
-    for fn in safetensors_files(path):
-        with safe_open(fn, "pt") as f:
-            meta = f.metadata()
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-        out: dict[str, torch.Tensor] = {}
-        for k, t in tensors.items():
-            if _is_fp8(t) or k.endswith("_scale_inv") or not t.is_floating_point():
-                out[k] = t
-            elif t.dim() == 2 and k.endswith(".weight") and min(t.shape) >= min_dim:
-                q, scale_inv = quantize_fp8_block(t.float())
-                out[k], out[k + "_scale_inv"] = q, scale_inv.float()
-                count += 1
-            else:
-                out[k] = t.to(torch.bfloat16)
-        save_file({k: v.contiguous() for k, v in out.items()}, fn, metadata=meta)
+
+    def convert(k: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        nonlocal count
+        if _is_fp8(t) or k.endswith("_scale_inv") or not t.is_floating_point():
+            return {k: t}
+        if t.dim() == 2 and k.endswith(".weight") and min(t.shape) >= min_dim:
+            q, scale_inv = quantize_fp8_block(t.float())
+            count += 1
+            return {k: q, k + "_scale_inv": scale_inv.float()}
+        return {k: t.to(torch.bfloat16)}
+
+    _rewrite_checkpoint(path, convert)
     return count
 
 

@@ -10,6 +10,7 @@ A training record (one line of the JSONL ``baton train data`` writes) holds at l
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -387,7 +388,7 @@ def _train_step(task: Task, batch: list[tuple[Sample, Any]], step: int, optimize
     if dp is not None:
         dp.all_reduce_grads(task.module.parameters())
         loss_sum, tokens = dp.sum([float(loss_sum), tokens])
-        stats = dp.merge_stats(stats)
+        stats = functools.reduce(merge_stats, dp.gather_stats(stats), {})
     params = [p for p in task.module.parameters() if p.grad is not None]
     grad_norm = torch.nn.utils.clip_grad_norm_(params, opts.grad_clip) if opts.grad_clip > 0 else torch.tensor(0.0)
     optimizer.step()

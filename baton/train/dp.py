@@ -96,17 +96,13 @@ class DataParallel:
                 p.grad = None
             offset += n
 
-    def merge_stats(self, stats: dict[str, tuple[Any, float]]) -> dict[str, tuple[float, float]]:
-        """The (sum, count) statistics of every rank's share of the batch, merged."""
+    def gather_stats(self, stats: dict[str, tuple[Any, float]]) -> list[dict[str, tuple[float, float]]]:
+        """Every rank's (sum, count) statistics of its share of the batch, as host floats (``common.merge_stats``
+        adds them up)."""
         local = {k: (float(s), float(n)) for k, (s, n) in stats.items()}
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, local)
-        merged: dict[str, tuple[float, float]] = {}
-        for part in gathered:
-            for k, (s, n) in part.items():
-                s0, n0 = merged.get(k, (0.0, 0.0))
-                merged[k] = (s0 + s, n0 + n)
-        return merged
+        return gathered
 
 
 def _free_port() -> int:

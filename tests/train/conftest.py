@@ -46,3 +46,10 @@ def greedy_data(tmp_path_factory, target_path, prompts_file) -> tuple[str, str]:
                        prompts_file, "--temperatures", "0", "--max-new-tokens", "40", "--holdout-frac", "0.25",
                        "--output", str(out)]) == 0
     return str(out), str(out).replace(".jsonl", ".holdout.jsonl")
+
+
+def train_cli(kind: str, target_path: str, train: str, out: str, *args: str) -> int:
+    """``baton train KIND`` with the target and the trainer on the CPU and no accept-length evaluation (a later
+    ``--eval-prompts`` in ``args`` wins); returns the exit code."""
+    return baton_main(["train", kind, "--model-path", target_path, "--target-device", "cpu", "--device", "cpu",
+                       "--train-data", train, "--output", out, "--eval-prompts", "0", *args])

@@ -14,13 +14,12 @@ from safetensors.torch import load_file
 
 from baton.cli import main as baton_main
 from baton.train.dp import DataParallel, plan_generator, resolve_dp_devices
+from tests.train.conftest import train_cli
 
 
 def _train(kind: str, target_path: str, train: str, out: str, dp: int, *extra: str) -> int:
-    return baton_main(["train", kind, "--model-path", target_path, "--target-device", "cpu", "--device", "cpu",
-                       "--train-data", train, "--output", out, "--steps", "3", "--batch-size", "5", "--lr", "3e-3",
-                       "--save-dtype", "float32", "--eval-prompts", "0", "--log-every", "1", "--dp-size", str(dp),
-                       *extra])
+    return train_cli(kind, target_path, train, out, "--steps", "3", "--batch-size", "5", "--lr", "3e-3",
+                     "--save-dtype", "float32", "--log-every", "1", "--dp-size", str(dp), *extra)
 
 
 def _losses(out: str) -> list[float]:
@@ -57,9 +56,8 @@ def test_training_moves_the_weights_under_dp(tmp_path, target_path, greedy_data)
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     args = ("--num-layers", "1", "--block-size", "4", "--markov-rank", "8", "--num-anchors", "6")
     assert _train("dspark", target_path, train, a, 2, *args) == 0
-    assert baton_main(["train", "dspark", "--model-path", target_path, "--target-device", "cpu", "--device", "cpu",
-                       "--train-data", train, "--output", b, "--steps", "3", "--batch-size", "5", "--lr", "0",
-                       "--save-dtype", "float32", "--eval-prompts", "0", *args]) == 0
+    assert train_cli("dspark", target_path, train, b, "--steps", "3", "--batch-size", "5", "--lr", "0",
+                     "--save-dtype", "float32", *args) == 0
     trained, still = load_file(os.path.join(a, "model.safetensors")), load_file(os.path.join(b, "model.safetensors"))
     diff = max(float((trained[k] - still[k]).abs().max()) for k in trained)
     assert diff > 1e-4
@@ -99,19 +97,17 @@ def test_time_budget_stops_every_rank_at_the_same_step(tmp_path, target_path, gr
     step; a rank that kept going would wait in a collective for a peer that has left (gloo then raises)."""
     train, _ = greedy_data
     out = str(tmp_path / "cut")
-    assert baton_main(["train", "dspark", "--model-path", target_path, "--target-device", "cpu", "--device", "cpu",
-                       "--train-data", train, "--output", out, "--steps", "40", "--batch-size", "4",
-                       "--time-budget", "0.001", "--save-dtype", "float32", "--eval-prompts", "0", "--dp-size", "2",
-                       "--num-layers", "1", "--block-size", "4", "--markov-rank", "8", "--num-anchors", "6"]) == 0
+    assert train_cli("dspark", target_path, train, out, "--steps", "40", "--batch-size", "4", "--time-budget",
+                     "0.001", "--save-dtype", "float32", "--dp-size", "2", "--num-layers", "1", "--block-size", "4",
+                     "--markov-rank", "8", "--num-anchors", "6") == 0
     assert len(_losses(out)) == 1  # the budget was spent by the first step: the run ends there on both ranks
 
 
 @pytest.mark.timeout(300)
 def test_a_failing_rank_is_reported_not_raised(tmp_path, target_path, capsys):
     """A rank's exception (here: training data that does not exist) ends the run with a message and exit code 1."""
-    assert baton_main(["train", "dspark", "--model-path", target_path, "--target-device", "cpu", "--device", "cpu",
-                       "--train-data", str(tmp_path / "missing.jsonl"), "--output", str(tmp_path / "out"),
-                       "--steps", "1", "--eval-prompts", "0", "--dp-size", "2"]) == 1
+    assert train_cli("dspark", target_path, str(tmp_path / "missing.jsonl"), str(tmp_path / "out"), "--steps", "1",
+                     "--dp-size", "2") == 1
     assert "a rank failed" in capsys.readouterr().err
 
 

@@ -33,6 +33,7 @@ from baton.train.online import TargetFeatures
 from baton.train.runner import load_frozen_target
 from baton.types import Request, SamplingParams
 from tests.spec.conftest import make_engine
+from tests.train.conftest import train_cli
 
 CPU = torch.device("cpu")
 
@@ -255,10 +256,8 @@ def test_dspark_training_end_to_end(tmp_path, target_path, greedy_data):
 def test_batched_loss_cli_trains(tmp_path, target_path, greedy_data):
     train, _ = greedy_data
     out = str(tmp_path / "dspark")
-    assert baton_main(["train", "dspark", "--model-path", target_path, "--target-device", "cpu", "--device", "cpu",
-                       "--train-data", train, "--output", out, "--steps", "3", "--batch-size", "3", "--block-size", "4",
-                       "--num-layers", "1", "--markov-rank", "8", "--num-anchors", "6", "--eval-prompts", "0",
-                       "--batched-loss"]) == 0
+    assert train_cli("dspark", target_path, train, out, "--steps", "3", "--batch-size", "3", "--block-size", "4",
+                     "--num-layers", "1", "--markov-rank", "8", "--num-anchors", "6", "--batched-loss") == 0
     metrics = json.load(open(os.path.join(out, "metrics.json")))
     assert metrics["dspark_options"]["batched_loss"] is True
     assert len(metrics["steps"]) == 3 and all(math.isfinite(r["loss"]) for r in metrics["steps"])
@@ -299,10 +298,8 @@ def test_grow_layers_keeps_the_function_and_fp8_storage_loads(tmp_path, target_p
     start = str(tmp_path / "start")
     write_random_dspark_draft(load_model_config(target_path), start, seed=3, block_size=4, markov_rank=8)
     grown = str(tmp_path / "grown")
-    assert baton_main(["train", "dspark", "--model-path", target_path, "--target-device", "cpu", "--device", "cpu",
-                       "--train-data", train, "--output", grown, "--steps", "1", "--batch-size", "2", "--lr", "0",
-                       "--save-dtype", "float32", "--eval-prompts", "0", "--init-from", start,
-                       "--grow-layers", "2"]) == 0
+    assert train_cli("dspark", target_path, train, grown, "--steps", "1", "--batch-size", "2", "--lr", "0",
+                     "--save-dtype", "float32", "--init-from", start, "--grow-layers", "2") == 0
     cfg = json.load(open(os.path.join(grown, "config.json")))
     assert cfg["num_hidden_layers"] == 2
     w = load_file(os.path.join(grown, "model.safetensors"))
@@ -319,9 +316,8 @@ def test_grow_layers_keeps_the_function_and_fp8_storage_loads(tmp_path, target_p
     assert b.accept_length == pytest.approx(a.accept_length)
 
     q8 = str(tmp_path / "fp8")
-    assert baton_main(["train", "dspark", "--model-path", target_path, "--target-device", "cpu", "--device", "cpu",
-                       "--train-data", train, "--output", q8, "--steps", "1", "--batch-size", "2", "--lr", "0",
-                       "--save-dtype", "fp8", "--eval-prompts", "0", "--init-from", start]) == 0
+    assert train_cli("dspark", target_path, train, q8, "--steps", "1", "--batch-size", "2", "--lr", "0",
+                     "--save-dtype", "fp8", "--init-from", start) == 0
     t = load_file(os.path.join(q8, "model.safetensors"))
     assert t["layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
     assert "layers.0.mlp.down_proj.weight_scale_inv" in t
@@ -338,9 +334,8 @@ def test_grow_layers_needs_init_from_and_more_layers(tmp_path, target_path, gree
     train, _ = greedy_data
     start = str(tmp_path / "start")
     write_random_dspark_draft(load_model_config(target_path), start, block_size=4, markov_rank=8, num_layers=2)
-    base = ["train", "dspark", "--model-path", target_path, "--target-device", "cpu", "--device", "cpu",
-            "--train-data", train, "--output", str(tmp_path / "o"), "--steps", "1", "--eval-prompts", "0"]
-    assert baton_main([*base, "--grow-layers", "2"]) == 2
+    out = str(tmp_path / "o")
+    assert train_cli("dspark", target_path, train, out, "--steps", "1", "--grow-layers", "2") == 2
     assert "--grow-layers needs --init-from" in capsys.readouterr().err
-    assert baton_main([*base, "--grow-layers", "2", "--init-from", start]) == 2
+    assert train_cli("dspark", target_path, train, out, "--steps", "1", "--grow-layers", "2", "--init-from", start) == 2
     assert "has 2 layer(s)" in capsys.readouterr().err

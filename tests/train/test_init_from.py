@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from baton.cli import main as baton_main
 from baton.config import load_model_config
 from baton.spec.drafts import write_random_nextn_head
 from baton.spec.dspark_ckpt import write_random_dspark_draft
+from tests.train.conftest import train_cli
 
 
 def _tensors(path: str) -> dict[str, torch.Tensor]:
@@ -22,9 +22,8 @@ def _tensors(path: str) -> dict[str, torch.Tensor]:
 
 
 def _train(kind: str, target_path: str, train: str, out: str, *extra: str) -> int:
-    return baton_main(["train", kind, "--model-path", target_path, "--target-device", "cpu", "--device", "cpu",
-                       "--train-data", train, "--output", out, "--steps", "1", "--batch-size", "2", "--lr", "0",
-                       "--save-dtype", "float32", "--eval-prompts", "0", *extra])
+    return train_cli(kind, target_path, train, out, "--steps", "1", "--batch-size", "2", "--lr", "0",
+                     "--save-dtype", "float32", *extra)
 
 
 @pytest.mark.timeout(120)
