@@ -306,25 +306,33 @@ c)  # a call that carries a part of the GGUF (a training session's first two cal
     ( export CUDA_VISIBLE_DEVICES=1; for alg in none NEXTN DSPARK; do smol_census $alg $alg 60; done ) &
     wait; cp /tmp/res/tuned-smol-m9.json "$R/" 2>/dev/null
   fi
-  # C_FP8=tp2 | one: issue 9's fp8 NEXTN (5,1,6) at simulated accept 3.25 with the swept tiles and tuned TP2 linear
-  # entries, the whole 42-layer shape: at TP2 (both GPUs), or on one GPU (peak memory in the JSON); census each
-  export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=120
+  # C_FP8=tp2 | one: issue 9's fp8 plain and NEXTN (5,1,6) at simulated accept 3.25 (FP8_MODES), the whole
+  # 42-layer shape: at TP2 (both GPUs), or on one GPU (peak memory in the JSON); census each. Since 2026-11-30e fp8
+  # prefill runs the aligned kernels (it dequantised every expert before: 20 s TTFT, and a cold TP2 first request
+  # passed the 120 s no-progress limit); the fp8 MoE GPU tests, the prefill shape among them, run first
+  export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=${BATON_TP_TIMEOUT:-300}
+  fp8_tests() {
+    CUDA_VISIBLE_DEVICES=0 timeout -s INT -k 10 ${FP8_TEST_S:-120} python3 -m pytest -q tests/ops/test_moe_fp8.py \
+        -p no:cacheprovider -rfEs --durations=5 > "$R/moe_fp8_tests.log" 2>&1
+    echo "fp8 moe tests rc=$? at $((SECONDS - t0)) s" >> "$R/moe_fp8_tests.log"
+  }
   case ${C_FP8:-} in
-    tp2) OUT=$R timeout -s ABRT ${FP8_S:-230} python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 \
-             --quantization fp8 --modes nextn --num-requests 1 > "$R/tp2_fp8_nextn.log" 2>&1
-         echo "tp2 fp8 nextn rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_fp8_nextn.log" ;;
-    one) # GPU 1 meanwhile: the TP2 linear shapes at M=6 again (2026-11-30d's tune stopped before dense_gate_up,
-         # dense_down, router and lm_head); the table comes back in $R for the repository
+    tp2) fp8_tests
+         OUT=$R timeout -s ABRT ${FP8_S:-330} python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 \
+             --quantization fp8 --modes ${FP8_MODES:-nextn,plain} --num-requests 1 > "$R/tp2_fp8.log" 2>&1
+         echo "tp2 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_fp8.log" ;;
+    one) # GPU 1 meanwhile: the TP2 linear shapes at M=6 the table still lacks (--skip-tuned: dense_gate_up,
+         # dense_down and lm_head, which two earlier tunes did not reach); the table comes back in $R
          CUDA_VISIBLE_DEVICES=1 timeout ${TUNE_S:-200} python3 -m baton.ops.linear.bench --tune --tp-size 2 --only ling \
-             --m 6 --json "$R/linear_tune_tp2_m6.json" --write-table "$R/nvidia-h200-tp2-m6.json" \
+             --m 6 --skip-tuned --json "$R/linear_tune_tp2_m6.json" --write-table "$R/nvidia-h200-tp2-m6.json" \
              > "$R/linear_tune_tp2_m6.log" 2>&1 &
-         CUDA_VISIBLE_DEVICES=0 OUT=$R timeout ${FP8_S:-230} python3 benchmarks/bench_ling_flash.py --num-layers 42 \
-             --quantization fp8 --modes nextn --num-requests 1 > "$R/ling42_fp8_nextn.log" 2>&1
-         echo "ling42 fp8 nextn rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8_nextn.log"
+         CUDA_VISIBLE_DEVICES=0 OUT=$R timeout ${FP8_S:-330} python3 benchmarks/bench_ling_flash.py --num-layers 42 \
+             --quantization fp8 --modes ${FP8_MODES:-nextn,plain} --num-requests 1 > "$R/ling42_fp8.log" 2>&1
+         echo "ling42 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8.log"
          wait ;;
   esac ;;
-x)  # (the GGUF, carried data) issue 7: an A/B of the async host-to-device copies (30 steps a GPU; ASYNC_AB=0 skips
-    # it; BATCHED_AB=1 also the --batched-loss A/B), then two
+x)  # (the GGUF, carried data) issue 7: with ASYNC_AB=1 an A/B of the async host-to-device copies (30 steps a GPU;
+    # off by default: no gain on 2026-11-30e); BATCHED_AB=1 also the --batched-loss A/B; then two
     # DSpark drafters trained side by side in the background
     # (benchmarks/train_more_dspark.sh: A from scratch with --init target on GPU 0, B the shipped drafter trained
     # further on GPU 1, TRAIN_BUDGET s each), then STS and the GSM8K report of each; phase y waits for it
@@ -344,7 +352,7 @@ x)  # (the GGUF, carried data) issue 7: an A/B of the async host-to-device copie
         --target-layer-ids 1,27 --num-anchors 256 --eval-prompts 0 --device cuda:0 --target-device cuda:0 "$@" \
         > "$R/ab_${name}_$gpu.log" 2>&1 )
   }
-  if [ "${ASYNC_AB:-1}" = 1 ]; then
+  if [ "${ASYNC_AB:-0}" = 1 ]; then  # measured on 2026-11-30e: 0.354 s/step blocking, 0.351 async (no gain)
     # A/B of the sync-free host-to-device copies (BATON_TRAIN_ASYNC_H2D): 30 steps each, GPU 0 off, GPU 1 on
     ab_steps async 0 BATON_TRAIN_ASYNC_H2D=0 & ab_steps async 1 BATON_TRAIN_ASYNC_H2D=1 & wait
     echo "dspark s/step: blocking copies $(per_step "$R/ab_async_0.log"), async $(per_step "$R/ab_async_1.log")" \
@@ -367,7 +375,10 @@ y)  # wait for phase x's runs (up to WAIT_S s from this call's start), then pack
   # A drafter is packed into $OUT as soon as it is saved (a call cut short by the device budget still returns
   # what $OUT holds), and again at the end (its sts.json comes later)
   pack() { for x in A B; do [ -f /tmp/train/dspark_$x/model.safetensors ] && \
-             tar czf "$OUT/dspark_$x.tgz" -C /tmp/train dspark_$x; done; }
+             tar czf "$OUT/dspark_$x.tgz" -C /tmp/train dspark_$x; done
+           # NEW_DATA's records, for a later session to carry (beside traindata.tgz) instead of generating again
+           ls /tmp/train/data/more_*.jsonl > /dev/null 2>&1 && tar czf "$OUT/moredata.tgz" -C /tmp/train \
+               $(cd /tmp/train && ls data/more_*.jsonl); }
   end=$((t0 + ${WAIT_S:-540}))
   packed=0
   while [ $SECONDS -lt $end ] && ! grep -q "report done" /tmp/train/more.log; do

@@ -76,3 +76,18 @@ def test_ling_tp_shapes_are_one_ranks_shards():
     assert tp2["mla_in_proj"].n == 3072 + 576 + 16  # q and the gate split by heads; kv_a (576) replicated
     assert (tp2["router"].n, tp2["router"].k) == (512, 2560)  # replicated, whole
     assert all(s.name.startswith("ling.tp2.") for s in tp2.values())
+
+
+def test_skip_tuned_leaves_only_the_missing_pairs():
+    """``--skip-tuned`` (a tune cut short by its limit goes on): the committed table's TP2 M=6 entries are skipped;
+    what is left is exactly the (M, shape) pairs without an entry of their own bucket."""
+    from baton.ops.linear.bench import ling_tp_shapes, untuned
+
+    shapes = ling_tp_shapes(2)
+    table = fast.read_table(fast.table_path("NVIDIA H200"))
+    work = untuned(shapes, (6,), table)
+    key = lambda m, s: (fast.table_kinds(m)[0], s.n // 2 if s.swiglu else s.n, s.k, s.swiglu)  # noqa: E731
+    assert all(key(m, s) not in table for m, s in work)
+    assert {s.name for _, s in work} | {s.name for s in shapes if key(6, s) in table} == {s.name for s in shapes}
+    assert "ling.tp2.kda_in_proj" not in {s.name for _, s in work}  # tuned on 2026-11-30
+    assert untuned(shapes, (6, 1), {}) == [(6, s) for s in shapes] + [(1, s) for s in shapes]  # M-major

@@ -76,6 +76,46 @@ def test_fp8_fused_experts_match_dequantised_reference(num_tokens, limit, tile):
     torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("num_tokens,mode,block_m", [(5, "aligned", 16), (50, None, 64), (7, "hybrid", 16)])
+@pytest.mark.parametrize("tile", [(16, 32), (64, 64), (128, 128)])
+def test_fp8_aligned_experts_match_dequantised_reference(num_tokens, mode, block_m, tile):
+    """Prefill shapes: the aligned (expert-grouped, tl.dot) kernels with the scales applied per tile. 50 tokens x 3
+    experts = 150 pairs > FP8_DIRECT_MAX_PAIRS, so the default picks aligned (and the torch alignment)."""
+    mt = _moe_triton()
+    from baton.ops.moe.naive import fused_experts
+
+    e, d, inter, k, limit = 6, 160, 136, 3, 4.0  # several scale blocks along both axes, ragged edges
+    gen = torch.Generator().manual_seed(num_tokens)
+    w13 = torch.randn(e, 2 * inter, d, generator=gen) * d**-0.5
+    w2 = torch.randn(e, d, inter, generator=gen) * inter**-0.5
+    (q13, s13), (q2, s2) = quantize_fp8_gate_up(w13), quantize_fp8_block(w2)
+    x = torch.randn(num_tokens, d, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, k, generator=gen) + 0.1
+    shared = torch.randn(num_tokens, d, generator=gen)
+    ref = fused_experts(x, dequantize_fp8_gate_up(q13, s13, torch.float32), dequantize_fp8_block(q2, s2, torch.float32),
+                        ids, weights, limit) + shared
+    cfg = mt.MoEConfig(up=mt.MoETile(*tile, 4, 2), down=mt.MoETile(*tile, 4, 2), block_m=block_m)
+    if mode is None:
+        assert num_tokens * k > mt.FP8_DIRECT_MAX_PAIRS
+        cfg = None  # FP8_ALIGNED_CONFIG
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    out = mt.fused_experts_decode(to(x), to(q13), to(q2), to(ids), to(weights), limit, shared_out=to(shared),
+                                  mode=mode, config=cfg, w13_scale=to(s13), w2_scale=to(s2))
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_fp8_aligned_rejects_tiles_across_scale_blocks():
+    mt = _moe_triton()
+    e, d, inter = 2, 256, 128
+    (q13, s13) = quantize_fp8_gate_up(torch.randn(e, 2 * inter, d))
+    (q2, s2) = quantize_fp8_block(torch.randn(e, d, inter))
+    cfg = mt.MoEConfig(up=mt.MoETile(64, 256, 4, 2), down=mt.MoETile(64, 256, 4, 2), block_m=16)
+    with pytest.raises(AssertionError, match="divide the 128 x 128"):
+        mt.fused_experts_decode(torch.randn(4, d), q13, q2, torch.tensor([[0, 1]] * 4), torch.rand(4, 2),
+                                mode="aligned", config=cfg, w13_scale=s13, w2_scale=s2)
+
+
 def test_fp8_reference_dispatch_dequantises():
     from baton.ops.moe import moe_experts
     from baton.ops.moe.naive import fused_experts
@@ -91,8 +131,8 @@ def test_fp8_reference_dispatch_dequantises():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [1, 6])
-@pytest.mark.parametrize("tile", [None, (16, 256), (32, 512)])  # None: FP8_CONFIGS
+@pytest.mark.parametrize("num_tokens,tile", [(t, tile) for t in (1, 6) for tile in (None, (16, 256), (32, 512))]
+                         + [(300, None)])  # None: FP8_CONFIGS (300 tokens: prefill, FP8_ALIGNED_CONFIG)
 def test_fp8_fused_experts_ling_shapes(num_tokens, tile):
     mt = _moe_triton()
     from baton.ops.moe.naive import fused_experts_dense_gather

@@ -238,45 +238,55 @@ def _candidates(m: int, n_out: int, k: int, swiglu: bool) -> list:
     return out
 
 
+def untuned(shapes: list[BenchShape], ms: tuple[int, ...], table: dict) -> list[tuple[int, BenchShape]]:
+    """The (M, shape) pairs, M-major, whose own table entry (kind of M's bucket, n_out, k, swiglu) ``table`` lacks
+    (``--skip-tuned``: a tune cut short by its time limit goes on where it stopped)."""
+    from baton.ops.linear import triton as fast
+
+    return [(m, s) for m in ms for s in shapes
+            if (fast.table_kinds(m)[0], s.n // 2 if s.swiglu else s.n, s.k, s.swiglu) not in table]
+
+
 def tune_linear(shapes: list[BenchShape], dtype: torch.dtype = torch.bfloat16, ms: tuple[int, ...] = (1, 16),
                 use_pdl: bool | None = None, seed: int = 0,
-                on_row: Callable[[list[dict]], object] | None = None) -> list[dict]:
+                on_row: Callable[[list[dict]], object] | None = None,
+                work: list[tuple[int, BenchShape]] | None = None) -> list[dict]:
     """Sweep LinearConfig candidates per (shape, M) and return the best per row with its µs, next to the
     bucket rule's choice (what ``write_table`` turns into this GPU's table). M-major: every shape at the first
-    M, then at the next; ``on_row(rows so far)`` after each row (a sweep cut short still leaves a table)."""
+    M, then at the next (or the (M, shape) pairs of ``work``); ``on_row(rows so far)`` after each row (a sweep
+    cut short still leaves a table)."""
     from baton.ops.linear import triton as fast
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     pdl = fast.pdl_enabled(torch.device("cuda")) if use_pdl is None else use_pdl
     rows: list[dict] = []
-    for m in ms:
-        for base in shapes:
-            s = base.with_m(m)
-            n_out = s.n // 2 if s.swiglu else s.n
-            inp = _inputs(s, dtype, gen)
-            ws = inp["weights"]
-            nbytes = _bytes_moved(s, torch.finfo(dtype).bits // 8)
-            default = fast.pick_config(m, n_out, s.k, s.swiglu)
-            ref = _reference_call(s, inp, ws[0])()
-            results = []
-            for cfg in dict.fromkeys([default, *_candidates(m, n_out, s.k, s.swiglu)]):
-                try:
-                    if _rel_err(_triton_call(s, inp, ws[0], cfg, pdl)(), ref) > 2e-2:
-                        continue
-                    us = _graph_time_us([_triton_call(s, inp, w, cfg, pdl) for w in ws], replays=10)
-                except Exception:  # a candidate that does not compile (resources) is skipped
+    for m, base in work if work is not None else [(m, s) for m in ms for s in shapes]:
+        s = base.with_m(m)
+        n_out = s.n // 2 if s.swiglu else s.n
+        inp = _inputs(s, dtype, gen)
+        ws = inp["weights"]
+        nbytes = _bytes_moved(s, torch.finfo(dtype).bits // 8)
+        default = fast.pick_config(m, n_out, s.k, s.swiglu)
+        ref = _reference_call(s, inp, ws[0])()
+        results = []
+        for cfg in dict.fromkeys([default, *_candidates(m, n_out, s.k, s.swiglu)]):
+            try:
+                if _rel_err(_triton_call(s, inp, ws[0], cfg, pdl)(), ref) > 2e-2:
                     continue
-                results.append((us, cfg))
-            results.sort(key=lambda r: r[0])
-            default_us = next((us for us, c in results if c == default), float("nan"))
-            best_us, best = results[0]
-            rows.append(dict(name=s.name, m=m, n_out=n_out, k=s.k, swiglu=s.swiglu, best=best.__dict__,
-                             best_us=best_us, best_gbps=nbytes / best_us / 1e3, default=default.__dict__,
-                             default_us=default_us, top=[(us, c.__dict__) for us, c in results[:5]]))
-            del inp, ws
-            torch.cuda.empty_cache()
-            if on_row is not None:
-                on_row(rows)
+                us = _graph_time_us([_triton_call(s, inp, w, cfg, pdl) for w in ws], replays=10)
+            except Exception:  # a candidate that does not compile (resources) is skipped
+                continue
+            results.append((us, cfg))
+        results.sort(key=lambda r: r[0])
+        default_us = next((us for us, c in results if c == default), float("nan"))
+        best_us, best = results[0]
+        rows.append(dict(name=s.name, m=m, n_out=n_out, k=s.k, swiglu=s.swiglu, best=best.__dict__,
+                         best_us=best_us, best_gbps=nbytes / best_us / 1e3, default=default.__dict__,
+                         default_us=default_us, top=[(us, c.__dict__) for us, c in results[:5]]))
+        del inp, ws
+        torch.cuda.empty_cache()
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -327,6 +337,9 @@ def main() -> None:
     ap.add_argument("--write-table", nargs="?", const="default", default=None, metavar="PATH",
                     help="with --tune: write the winners as this GPU's table (default path: "
                          "baton/ops/linear/tuned/<gpu name>.json), which pick_config then reads")
+    ap.add_argument("--skip-tuned", action="store_true",
+                    help="with --tune: only the (M, shape) pairs the table read (this GPU's, or --write-table PATH "
+                         "when it exists) has no entry for: a tune cut short goes on where it stopped")
     ap.add_argument("--tp-size", type=int, default=1,
                     help="the Ling shapes as one rank of this tensor-parallel size holds them (named ling.tpN.*)")
     args = ap.parse_args()
@@ -342,7 +355,18 @@ def main() -> None:
             write_table(rows, torch.cuda.get_device_name(), args.write_table)
 
     if args.tune:
-        rows = tune_linear(shapes, ms=tuple(args.m), on_row=lambda rows: (save(rows), _print_tuned(rows[-1])))
+        work = None
+        if args.skip_tuned:
+            from baton.ops.linear import triton as fast
+
+            path = fast.table_path(torch.cuda.get_device_name())
+            if args.write_table and args.write_table != "default" and os.path.isfile(args.write_table):
+                path = args.write_table
+            table = fast.read_table(path) if os.path.isfile(path) else {}
+            work = untuned(shapes, tuple(args.m), table)
+            print(f"--skip-tuned: {len(work)} of {len(shapes) * len(args.m)} (M, shape) pairs lack an entry in {path}")
+        rows = tune_linear(shapes, ms=tuple(args.m), work=work,
+                           on_row=lambda rows: (save(rows), _print_tuned(rows[-1])))
     else:
         rows = bench_linear(shapes, ms=tuple(args.m))
         _print_table(rows)

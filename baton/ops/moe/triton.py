@@ -167,6 +167,11 @@ FP8_CONFIGS: dict[int, MoEConfig] = {
     6: MoEConfig(up=MoETile(32, 256, 8, 3), down=MoETile(64, 128, 8, 3)),
     16: FP8_CONFIG,
 }
+# fp8 past the decode shapes (prefill: more than FP8_DIRECT_MAX_PAIRS (token, expert) pairs) runs the aligned
+# kernels, the weights widened to the activations' dtype in registers and each tile's product scaled once (BLOCK_N
+# and BLOCK_K divide the 128 x 128 scale blocks). Not tuned: the bf16 prefill tiles.
+FP8_DIRECT_MAX_PAIRS = 128
+FP8_ALIGNED_CONFIG = MoEConfig(up=MoETile(64, 64, 4, 3), down=MoETile(64, 64, 4, 3), block_m=64)
 
 
 def get_config(num_tokens: int, mode: str) -> MoEConfig:
@@ -547,6 +552,8 @@ def moe_up_aligned_kernel(
     HIDDEN: tl.constexpr, INTER: tl.constexpr, stride_xt, stride_we, stride_wn, stride_at, limit,
     TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_PDL: tl.constexpr,
+    s_ptr=None, stride_se=0, stride_sn=0,  # fp8: scale_inv [E, 2*ceil(I/SB), ceil(HIDDEN/SB)]: gate blocks, up blocks
+    HAS_SCALE: tl.constexpr = False, SB: tl.constexpr = 128,
 ):
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
@@ -568,17 +575,30 @@ def moe_up_aligned_kernel(
     x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     wg_ptrs = w13_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
     wu_ptrs = wg_ptrs + INTER * stride_wn
+    if HAS_SCALE:  # BLOCK_N and BLOCK_K divide SB: each [BLOCK_K, BLOCK_N] tile lies in one scale block
+        up_row0: tl.constexpr = (INTER + SB - 1) // SB
+        nb = (pid_n * BLOCK_N) // SB
+        sg_ptr = s_ptr + e * stride_se + nb * stride_sn
+        su_ptr = s_ptr + e * stride_se + (up_row0 + nb) * stride_sn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
         mk = (k0 + offs_k) < HIDDEN
         wg = tl.load(wg_ptrs + k0, mask=mk[:, None] & mask_n[None, :], other=0.0)
         wu = tl.load(wu_ptrs + k0, mask=mk[:, None] & mask_n[None, :], other=0.0)
-        a = tl.load(x_ptrs + k0, mask=mr[:, None] & mk[None, :], other=0.0).to(wg.dtype)
+        if HAS_SCALE:  # fp8 weights widen exactly to the activations' dtype; the tile's scale scales its product
+            a = tl.load(x_ptrs + k0, mask=mr[:, None] & mk[None, :], other=0.0)
+            wg, wu = wg.to(a.dtype), wu.to(a.dtype)
+        else:
+            a = tl.load(x_ptrs + k0, mask=mr[:, None] & mk[None, :], other=0.0).to(wg.dtype)
         if UPCAST_DOT:
             a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-        acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
-        acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
+        if HAS_SCALE:
+            acc_g += tl.dot(a, wg, input_precision=DOT_PRECISION) * tl.load(sg_ptr + k0 // SB)
+            acc_u += tl.dot(a, wu, input_precision=DOT_PRECISION) * tl.load(su_ptr + k0 // SB)
+        else:
+            acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
     act = _swiglu(acc_g, acc_u, limit, HAS_LIMIT)
     tl.store(act_ptr + pair[:, None] * stride_at + offs_n[None, :], act, mask=mr[:, None] & mask_n[None, :])
 
@@ -590,6 +610,8 @@ def moe_down_aligned_kernel(
     HIDDEN: tl.constexpr, INTER: tl.constexpr, stride_at, stride_we, stride_wn, stride_yp,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, USE_PDL: tl.constexpr,
+    s_ptr=None, stride_se=0, stride_sn=0,  # fp8: scale_inv [E, ceil(HIDDEN/SB), ceil(INTER/SB)]
+    HAS_SCALE: tl.constexpr = False, SB: tl.constexpr = 128, DOT_BF16: tl.constexpr = True,
 ):
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
@@ -611,14 +633,26 @@ def moe_down_aligned_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + pair[:, None] * stride_at + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
     w_ptrs = w2_ptr + e * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None]  # [BLOCK_K, BLOCK_N]
+    if HAS_SCALE:  # BLOCK_N and BLOCK_K divide SB: one scale per tile
+        s_row = s_ptr + e * stride_se + ((pid_n * BLOCK_N) // SB) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         mk = (k0 + offs_k) < INTER
         w = tl.load(w_ptrs + k0, mask=mk[:, None] & mask_n[None, :], other=0.0)
-        a = tl.load(a_ptrs + k0, mask=mr[:, None] & mk[None, :], other=0.0).to(w.dtype)
+        a = tl.load(a_ptrs + k0, mask=mr[:, None] & mk[None, :], other=0.0)
+        if HAS_SCALE:  # fp8 weights: the dot in bf16 (a bf16 model) or fp32
+            if DOT_BF16:
+                a, w = a.to(tl.bfloat16), w.to(tl.bfloat16)
+            else:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+        else:
+            a = a.to(w.dtype)
         if UPCAST_DOT:
             a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if HAS_SCALE:
+            acc += tl.dot(a, w, input_precision=DOT_PRECISION) * tl.load(s_row + k0 // SB)
+        else:
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     acc = acc * rw[:, None]
     tl.store(y_ptr + pair[:, None] * stride_yp + offs_n[None, :], acc, mask=mr[:, None] & mask_n[None, :])
 
@@ -655,9 +689,18 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _aligned_scale_args(scale: torch.Tensor | None, tile: MoETile) -> dict:
+    if scale is None:
+        return {}
+    assert FP8_BLOCK % tile.block_n == 0 and FP8_BLOCK % tile.block_k == 0, \
+        "fp8 aligned tiles: BLOCK_N and BLOCK_K must divide the 128 x 128 scale blocks"
+    return dict(s_ptr=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), HAS_SCALE=True, SB=FP8_BLOCK)
+
+
 def moe_up_aligned_fwd(x: torch.Tensor, w13: torch.Tensor, al: AlignedPairs, top_k: int, swiglu_limit: float,
-                       tile: MoETile, pdl: bool) -> torch.Tensor:
-    """x [T, d], w13 [E, 2I, d] -> act [T*k, I] fp32 (pair order), one program per (N-block, expert block)."""
+                       tile: MoETile, pdl: bool, w13_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, d], w13 [E, 2I, d] (bf16, or fp8 with ``w13_scale``) -> act [T*k, I] fp32 (pair order), one program
+    per (N-block, expert block)."""
     inter, hidden = w13.shape[1] // 2, w13.shape[2]
     act = _empty((al.sorted_pairs.numel(), inter), torch.float32, x.device)
     grid = (triton.cdiv(inter, tile.block_n), al.max_blocks)
@@ -665,23 +708,28 @@ def moe_up_aligned_fwd(x: torch.Tensor, w13: torch.Tensor, al: AlignedPairs, top
         x, w13, al.sorted_pairs, al.block_expert, al.block_start, al.block_count, al.num_blocks, act,
         hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), float(swiglu_limit),
         TOPK=top_k, BLOCK_M=al.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-        DOT_PRECISION=_dot_precision(w13.dtype), UPCAST_DOT=_interpreting(), HAS_LIMIT=swiglu_limit > 0,
+        DOT_PRECISION=_dot_precision(x.dtype if w13_scale is not None else w13.dtype), UPCAST_DOT=_interpreting(),
+        HAS_LIMIT=swiglu_limit > 0, **_aligned_scale_args(w13_scale, tile),
         **_launch_kw(pdl, tile.num_warps, tile.num_stages),
     )
     return act
 
 
 def moe_down_aligned_fwd(act: torch.Tensor, w2: torch.Tensor, flat_weights: torch.Tensor, al: AlignedPairs,
-                         tile: MoETile, pdl: bool) -> torch.Tensor:
-    """act [T*k, I], w2 [E, d, I] -> y [T*k, d] fp32 = weight * act @ w2[e].T per pair."""
+                         tile: MoETile, pdl: bool, w2_scale: torch.Tensor | None = None,
+                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """act [T*k, I], w2 [E, d, I] -> y [T*k, d] fp32 = weight * act @ w2[e].T per pair. fp8 ``w2`` (with
+    ``w2_scale``): the dot runs in ``dtype`` (the model's: bf16, or fp32)."""
+    fp8 = w2_scale is not None
     hidden, inter = w2.shape[1], w2.shape[2]
     y = _empty((act.shape[0], hidden), torch.float32, act.device)
     grid = (triton.cdiv(hidden, tile.block_n), al.max_blocks)
     moe_down_aligned_kernel[grid](
         act, w2, flat_weights, al.sorted_pairs, al.block_expert, al.block_start, al.block_count, al.num_blocks, y,
         hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BLOCK_M=al.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, DOT_PRECISION=_dot_precision(w2.dtype),
-        UPCAST_DOT=_interpreting(),
+        BLOCK_M=al.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        DOT_PRECISION=_dot_precision(dtype if fp8 else w2.dtype), UPCAST_DOT=_interpreting(),
+        DOT_BF16=dtype != torch.float32, **_aligned_scale_args(w2_scale, tile),
         **_launch_kw(pdl, tile.num_warps, tile.num_stages),
     )
     return y
@@ -721,7 +769,8 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     synchronisation: safe under CUDA-graph capture.
 
     fp8 experts: w13 / w2 in float8_e4m3fn with ``w13_scale`` / ``w2_scale`` 128 x 128 block scale_inv (the Ling fp8
-    checkpoint layout, baton.ops.quant): the direct path applies the scales in registers and accumulates in fp32."""
+    checkpoint layout, baton.ops.quant): the scales are applied in registers and the sums kept in fp32; direct up to
+    ``FP8_DIRECT_MAX_PAIRS`` pairs (decode, verify), aligned past it (prefill: no dequantised copy of the experts)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -729,13 +778,18 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     assert w13.stride(-1) == 1 and w2.stride(-1) == 1, "expert weights must be contiguous along their last dim"
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens
     fp8 = w13_scale is not None
-    mode = mode or ("direct" if fp8 else default_mode(num_tokens))
-    if fp8 and mode != "direct":
-        raise NotImplementedError("fp8 experts run the direct work list (the aligned kernels are bf16 only)")
+    if fp8:
+        mode = mode or ("direct" if num_tokens * top_k <= FP8_DIRECT_MAX_PAIRS else "aligned")
+    else:
+        mode = mode or default_mode(num_tokens)
     if mode not in ("direct", "aligned", "hybrid"):
         raise ValueError(f"unknown MoE mode {mode!r}")
-    cfg = config or get_config(num_tokens, "fp8" if fp8 else "direct" if mode == "direct" else "aligned")
-    direct_cfg = cfg if mode != "hybrid" or config is not None else get_config(num_tokens, "direct")
+    if fp8:
+        cfg = config or (get_config(num_tokens, "fp8") if mode == "direct" else FP8_ALIGNED_CONFIG)
+        direct_cfg = cfg if mode != "hybrid" or config is not None else get_config(num_tokens, "fp8")
+    else:
+        cfg = config or get_config(num_tokens, "direct" if mode == "direct" else "aligned")
+        direct_cfg = cfg if mode != "hybrid" or config is not None else get_config(num_tokens, "direct")
     if out is None:
         out = _empty((num_tokens, hidden), x.dtype, x.device)
     if num_tokens == 0:
@@ -758,8 +812,9 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         al = moe_align_fwd(flat_ids, num_experts, cfg.block_m, pdl)
     else:
         al = moe_align_torch(flat_ids, num_experts, cfg.block_m)
-    act = moe_up_aligned_fwd(x, w13, al, top_k, swiglu_limit, cfg.up, pdl)
+    act = moe_up_aligned_fwd(x, w13, al, top_k, swiglu_limit, cfg.up, pdl, w13_scale)
     if mode == "hybrid":
-        return moe_down_direct_fwd(act, w2, topk_ids, topk_weights, shared_out, residual, out, direct_cfg.down, pdl)
-    y = moe_down_aligned_fwd(act, w2, topk_weights.view(-1), al, cfg.down, pdl)
+        return moe_down_direct_fwd(act, w2, topk_ids, topk_weights, shared_out, residual, out, direct_cfg.down, pdl,
+                                   w2_scale)
+    y = moe_down_aligned_fwd(act, w2, topk_weights.view(-1), al, cfg.down, pdl, w2_scale, x.dtype)
     return moe_combine_fwd(y, top_k, shared_out, residual, out, cfg.combine, pdl)
