@@ -358,6 +358,10 @@ x)  # (the GGUF, carried data) issue 7: with ASYNC_AB=1 an A/B of the async host
     echo "dspark s/step: blocking copies $(per_step "$R/ab_async_0.log"), async $(per_step "$R/ab_async_1.log")" \
         | tee "$R/ab_async.txt"
   fi
+  if [ "${PROFILE:-1}" = 1 ]; then  # where a 0.24 s step goes: steps 11..15 under torch.profiler (--profile-steps)
+    ab_steps profile 0 -- --profile-steps 5
+    cp /tmp/ab_profile0/profile.txt /tmp/ab_profile0/profile.json "$R/" 2>/dev/null
+  fi
   if [ "${BATCHED_AB:-0}" = 1 ]; then  # A/B of --batched-loss: 30 steps each, GPU 0 per sequence, GPU 1 batched
     ab_steps batched 0 & ab_steps batched 1 -- --batched-loss & wait
     off=$(per_step "$R/ab_batched_0.log"); on=$(per_step "$R/ab_batched_1.log")

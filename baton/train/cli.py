@@ -88,6 +88,10 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-every", type=int, default=20, help="steps between log lines (all steps: metrics.json)")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     g.add_argument("--prefetch", type=int, default=2, help="batches of target features computed ahead")
+    g.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                   help="profile N optimiser steps after the first 10 (torch.profiler, the GPU's kernels on CUDA): "
+                        "OUTPUT/profile.txt and profile.json give wall and GPU kernel time per step, and the "
+                        "operators that take them (the profiled steps run slower)")
     g.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "fp8"],
                    help="dtype of the saved draft's weights (training itself runs in fp32; bf16 halves the file; fp8: "
                         "the matrices in e4m3 with 128 x 128 block scales, the rest bf16, half a bf16 file again; "
@@ -173,7 +177,7 @@ def _train_options(ns: argparse.Namespace):
                         min_lr_ratio=ns.min_lr_ratio, weight_decay=ns.weight_decay, warmup_frac=ns.warmup_frac,
                         grad_clip=ns.grad_clip, seed=ns.seed, log_every=ns.log_every, eval_every=ns.eval_every,
                         max_seq_len=ns.max_seq_len, prefetch=ns.prefetch, save_dtype=ns.save_dtype,
-                        time_budget=ns.time_budget)
+                        time_budget=ns.time_budget, profile_steps=ns.profile_steps)
 
 
 def _eval_spec(ns: argparse.Namespace, target, algorithm: str, num_steps: int | None = None):

@@ -202,6 +202,7 @@ class TrainOptions:
     prefetch: int = 2  # batches of target features computed ahead
     save_dtype: str = "bfloat16"  # dtype of the saved draft's floating tensors (training runs in fp32)
     time_budget: float | None = None  # seconds of optimiser steps: the step count is fitted to it (``replan``)
+    profile_steps: int = 0  # > 0: torch.profiler over that many steps after PROFILE_START (``StepProfiler``)
 
 
 def lr_at(step: int, total: int, opts: TrainOptions) -> float:
@@ -274,9 +275,73 @@ class History:
 
     steps: list[dict[str, float]] = field(default_factory=list)
     evals: list[dict[str, float]] = field(default_factory=list)
+    profile: dict[str, Any] | None = None  # ``StepProfiler``'s summary (``--profile-steps``)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+PROFILE_START = 10  # steps before a profiled window (allocator growth, kernel autotuning and caches settle)
+
+
+class StepProfiler:
+    """``--profile-steps N``: torch.profiler (host, and the GPU's kernels on CUDA) over optimiser steps
+    ``PROFILE_START .. PROFILE_START + N - 1``, the background target-feature thread included. Writes
+    ``profile.txt`` (the operator tables by device and by host time) and ``profile.json`` into the run's output:
+    wall time per step against the GPU's kernel time per step says whether a step waits on the GPU or on the host.
+    A run with fewer steps writes nothing."""
+
+    def __init__(self, num_steps: int, out_dir: str, device: torch.device, rank0: bool = True) -> None:
+        self.n, self.out_dir, self.device, self.rank0 = num_steps, out_dir, device, rank0
+        self.first, self.last = PROFILE_START, PROFILE_START + num_steps - 1
+        self.prof: Any = None
+        self.t0 = 0.0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def before(self, step: int) -> None:
+        if self.n <= 0 or step != self.first:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self._sync()
+        self.prof = profile(activities=acts)
+        self.prof.__enter__()
+        self.t0 = time.perf_counter()
+
+    def after(self, step: int) -> dict[str, Any] | None:
+        if self.prof is None or step != self.last:
+            return None
+        self._sync()
+        wall = time.perf_counter() - self.t0
+        self.prof.__exit__(None, None, None)
+        events = self.prof.key_averages()
+        self.prof = None
+        dev_key = "self_device_time_total"
+        per_step = lambda us: us / 1e3 / self.n  # noqa: E731  µs over the window -> ms per step
+        device_ms = per_step(sum(getattr(e, dev_key, 0.0) for e in events))
+        top = lambda key: [(e.key, round(per_step(getattr(e, key, 0.0)), 3))  # noqa: E731
+                           for e in sorted(events, key=lambda e: -getattr(e, key, 0.0))[:25]]
+        summary = {"steps": self.n, "first_step": self.first + 1, "wall_ms_per_step": 1e3 * wall / self.n,
+                   "device_kernel_ms_per_step": device_ms, "device_busy_frac": device_ms / (1e3 * wall / self.n),
+                   "top_device_ms_per_step": top(dev_key) if self.device.type == "cuda" else [],
+                   "top_host_ms_per_step": top("self_cpu_time_total")}
+        if self.rank0:
+            os.makedirs(self.out_dir, exist_ok=True)
+            with open(os.path.join(self.out_dir, "profile.json"), "w") as f:
+                json.dump(summary, f, indent=1)
+            with open(os.path.join(self.out_dir, "profile.txt"), "w") as f:
+                f.write(f"steps {self.first + 1}..{self.last + 1}: wall {summary['wall_ms_per_step']:.1f} ms/step, "
+                        f"GPU kernels {device_ms:.1f} ms/step (busy {summary['device_busy_frac']:.0%})\n\n")
+                if self.device.type == "cuda":
+                    f.write(events.table(sort_by=dev_key, row_limit=40) + "\n\n")
+                f.write(events.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
+            log.info("profile of steps %d..%d: wall %.1f ms/step, GPU kernels %.1f ms/step -> %s", self.first + 1,
+                     self.last + 1, summary["wall_ms_per_step"], device_ms, os.path.join(self.out_dir, "profile.txt"))
+        return summary
 
 
 def train_loop(task: Task, feature_batches: Iterator[list[tuple[Sample, Any]]], total_steps: int,
@@ -308,15 +373,20 @@ def train_loop(task: Task, feature_batches: Iterator[list[tuple[Sample, Any]]], 
     budget, spent = opts.time_budget, 0.0  # spent: seconds of steps (evaluations excluded)
     mark = (0, 0.0)  # (steps, seconds) where the current step-time window starts
     planned = total_steps  # the epochs' count: a time budget may cut it, never exceed it
+    profiler = StepProfiler(opts.profile_steps, opts.output, device, dp is None or dp.is_main)
     for step, batch in enumerate(feature_batches):
         if step >= total_steps:
             break
         lr = lr_at(step, total_steps, opts)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        profiler.before(step)
         ts = time.perf_counter()
         record = _train_step(task, batch, step, optimizer, opts, device, dp)
         step_s = time.perf_counter() - ts
+        profile = profiler.after(step)
+        if profile is not None:
+            history.profile = profile
         spent += step_s if dp is None else dp.max(step_s)
         if step + 1 == REPLAN_SKIP:
             mark = (step + 1, spent)  # the estimate's window starts after the warm-up steps

@@ -263,6 +263,29 @@ def test_batched_loss_cli_trains(tmp_path, target_path, greedy_data):
     assert len(metrics["steps"]) == 3 and all(math.isfinite(r["loss"]) for r in metrics["steps"])
 
 
+@pytest.mark.timeout(120)
+def test_profile_steps_writes_the_step_profile(tmp_path, target_path, greedy_data):
+    """``--profile-steps 2``: steps 11 and 12 under torch.profiler; wall and kernel time per step and the top
+    operators land in profile.json / profile.txt and metrics.json. A run of fewer steps profiles nothing."""
+    from baton.train.common import PROFILE_START
+
+    train, _ = greedy_data
+    args = ("--batch-size", "2", "--block-size", "4", "--num-layers", "1", "--markov-rank", "4", "--num-anchors", "4",
+            "--profile-steps", "2")
+    out = str(tmp_path / "profiled")
+    assert train_cli("dspark", target_path, train, out, "--steps", str(PROFILE_START + 2), *args) == 0
+    prof = json.load(open(os.path.join(out, "profile.json")))
+    assert prof["steps"] == 2 and prof["first_step"] == PROFILE_START + 1 and prof["wall_ms_per_step"] > 0
+    assert prof["device_kernel_ms_per_step"] == 0 and prof["top_device_ms_per_step"] == []  # CPU: no GPU kernels
+    assert prof["top_host_ms_per_step"] and all(ms >= 0 for _, ms in prof["top_host_ms_per_step"])
+    assert "wall" in open(os.path.join(out, "profile.txt")).readline()
+    assert json.load(open(os.path.join(out, "metrics.json")))["profile"] == prof
+    short = str(tmp_path / "short")
+    assert train_cli("dspark", target_path, train, short, "--steps", "3", *args) == 0
+    assert not os.path.exists(os.path.join(short, "profile.json"))
+    assert json.load(open(os.path.join(short, "metrics.json")))["profile"] is None
+
+
 def test_to_device_copies_host_tensors():
     from baton.train.common import to_device
 
