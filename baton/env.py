@@ -84,6 +84,13 @@ def train_hf_features() -> bool:
     return _get("BATON_TRAIN_HF_FEATURES", "1") not in ("0", "", "false", "False")
 
 
+def fp8_aligned_prefill() -> bool:
+    """``BATON_FP8_ALIGNED`` (default on): fp8 experts past the decode shapes (prefill) run the aligned Triton
+    kernels with the block scales applied per tile; ``0`` dequantises every expert and runs the reference instead
+    (slow: the path before 2026-11-30e, kept as a fallback)."""
+    return _get("BATON_FP8_ALIGNED", "1") not in ("0", "", "false", "False")
+
+
 def use_pdl() -> bool:
     """``BATON_PDL`` (default on): launch Triton kernels with programmatic dependent launch where the GPU supports it
     (compute capability >= 9); ``0`` turns it off."""

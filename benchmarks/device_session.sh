@@ -311,10 +311,16 @@ c)  # a call that carries a part of the GGUF (a training session's first two cal
   # prefill runs the aligned kernels (it dequantised every expert before: 20 s TTFT, and a cold TP2 first request
   # passed the 120 s no-progress limit); the fp8 MoE GPU tests, the prefill shape among them, run first
   export PYTHONFAULTHANDLER=1 BATON_TP_TIMEOUT=${BATON_TP_TIMEOUT:-300}
-  fp8_tests() {
-    CUDA_VISIBLE_DEVICES=0 timeout -s INT -k 10 ${FP8_TEST_S:-120} python3 -m pytest -q tests/ops/test_moe_fp8.py \
-        -p no:cacheprovider -rfEs --durations=5 > "$R/moe_fp8_tests.log" 2>&1
-    echo "fp8 moe tests rc=$? at $((SECONDS - t0)) s" >> "$R/moe_fp8_tests.log"
+  fp8_tests() {  # once a machine (the second c call on a warm machine reads the first one's log)
+    if [ ! -f "$R/moe_fp8_tests.log" ]; then
+      CUDA_VISIBLE_DEVICES=0 timeout -s INT -k 10 ${FP8_TEST_S:-120} python3 -m pytest -q tests/ops/test_moe_fp8.py \
+          -p no:cacheprovider -rfEs --durations=5 > "$R/moe_fp8_tests.log" 2>&1
+      echo "fp8 moe tests rc=$? at $((SECONDS - t0)) s" >> "$R/moe_fp8_tests.log"
+    fi
+    # the aligned fp8 kernels (new, first compiled here) failing their tests: the benches take the old prefill
+    if grep -q "FAILED.*aligned\|FAILED.*ling_shapes\[300" "$R/moe_fp8_tests.log"; then
+      export BATON_FP8_ALIGNED=0; echo "aligned fp8 tests failed: BATON_FP8_ALIGNED=0" >> "$R/moe_fp8_tests.log"
+    fi
   }
   case ${C_FP8:-} in
     tp2) fp8_tests
@@ -326,6 +332,7 @@ c)  # a call that carries a part of the GGUF (a training session's first two cal
          CUDA_VISIBLE_DEVICES=1 timeout ${TUNE_S:-200} python3 -m baton.ops.linear.bench --tune --tp-size 2 --only ling \
              --m 6 --skip-tuned --json "$R/linear_tune_tp2_m6.json" --write-table "$R/nvidia-h200-tp2-m6.json" \
              > "$R/linear_tune_tp2_m6.log" 2>&1 &
+         fp8_tests
          CUDA_VISIBLE_DEVICES=0 OUT=$R timeout ${FP8_S:-330} python3 benchmarks/bench_ling_flash.py --num-layers 42 \
              --quantization fp8 --modes ${FP8_MODES:-nextn,plain} --num-requests 1 > "$R/ling42_fp8.log" 2>&1
          echo "ling42 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8.log"

@@ -148,3 +148,36 @@ def test_fp8_fused_experts_ling_shapes(num_tokens, tile):
     cfg = None if tile is None else mt.MoEConfig(up=mt.MoETile(*tile, 4, 4), down=mt.MoETile(*tile, 4, 4))
     out = mt.fused_experts_decode(x, q13, q2, ids, weights, config=cfg, w13_scale=s13, w2_scale=s2)
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 2e-2
+
+
+def test_fp8_prefill_dispatch_follows_baton_fp8_aligned(monkeypatch):
+    """CUDA-resident fp8 experts: the Triton entry takes every shape by default; ``BATON_FP8_ALIGNED=0`` sends the
+    shapes past the decode ones back to the dequantise-then-reference path (a fallback)."""
+    import baton.ops.moe as moe
+
+    calls = []
+
+    class Stub:
+        FP8_DIRECT_MAX_PAIRS = 128
+
+        @staticmethod
+        def fused_experts_decode(x, *args, **kw):
+            calls.append(x.shape[0])
+            return torch.zeros_like(x)
+
+    monkeypatch.setattr(moe, "_use_triton", lambda t: True)
+    monkeypatch.setattr(moe, "_triton_impl", lambda: Stub)
+    e, d, inter, k = 4, 64, 32, 2
+    q13, s13 = quantize_fp8_gate_up(torch.randn(e, 2 * inter, d))
+    q2, s2 = quantize_fp8_block(torch.randn(e, d, inter))
+
+    def run(t):
+        ids = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+        return moe.moe_experts(torch.randn(t, d), q13, q2, ids, torch.rand(t, k), w13_scale=s13, w2_scale=s2)
+
+    run(3), run(100)  # 6 and 200 pairs
+    assert calls == [3, 100]
+    monkeypatch.setenv("BATON_FP8_ALIGNED", "0")
+    calls.clear()
+    assert run(3).abs().sum() == 0 and run(100).abs().sum() > 0  # the 200-pair call ran the reference
+    assert calls == [3]

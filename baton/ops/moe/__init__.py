@@ -51,7 +51,9 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
     x [T, d]; w13 [E, 2I, d]; w2 [E, d, I]; topk_ids / topk_weights [T, k]; residual / shared_out [T, d].
     fp8 experts: w13 / w2 in float8_e4m3fn with 128 x 128 block ``*_scale`` (scale_inv); the reference path
     dequantises to x's dtype first (the kernel applies the scales in registers)."""
-    if _use_triton(x):  # fp8 at any T too: direct for decode shapes, aligned for prefill (no dequantised copy)
+    if _use_triton(x) and (w13_scale is None or env.fp8_aligned_prefill()
+                           or x.shape[0] * topk_ids.shape[1] <= _triton_impl().FP8_DIRECT_MAX_PAIRS):
+        # fp8 at any T too: direct for the decode shapes, aligned past them (prefill: no dequantised copy)
         return _triton_impl().fused_experts_decode(x, w13, w2, topk_ids, topk_weights, swiglu_limit,
                                                    residual=residual, shared_out=shared_out,
                                                    w13_scale=w13_scale, w2_scale=w2_scale)
