@@ -273,34 +273,56 @@ class BlockOutputs:
     blocks: BlockBatch
 
 
+@dataclass
+class TargetRows:
+    """The target's final hidden states a sequence's slots score against, without the duplicates: the slots of
+    overlapping blocks share positions (256 anchors of 16 slots cover at most the response and 15 more), so
+    ``hidden`` [S, d] holds each position of the blocks' span once and ``index`` [N] picks a slot's row."""
+
+    hidden: torch.Tensor
+    index: torch.Tensor
+
+    def logits(self, frozen: FrozenHead) -> torch.Tensor:
+        """[N, V] fp32 target logits: the lm_head over the S distinct positions, gathered per slot."""
+        return frozen.logits(self.hidden).index_select(0, self.index)
+
+
 def block_outputs(model: DSparkDraftModel, frozen: FrozenHead, ids: torch.Tensor, prompt_len: int,
                   feats: Features, anchors: torch.Tensor) -> BlockOutputs:
     """Teacher-forced draft outputs for the blocks at ``anchors`` of the sequence ``ids`` [T]."""
-    h, blocks, target_hidden = block_hidden_states(model, frozen, ids, prompt_len, feats, anchors)
-    logits, conf, target_logits = head_outputs(model, frozen, h, blocks.prev_ids, target_hidden)
+    h, blocks, target = block_hidden_states(model, frozen, ids, prompt_len, feats, anchors)
+    logits, conf, target_logits = head_outputs(model, frozen, h, blocks.prev_ids, [target])
     return BlockOutputs(logits, target_logits, conf, blocks)
 
 
 def block_hidden_states(model: DSparkDraftModel, frozen: FrozenHead, ids: torch.Tensor, prompt_len: int,
-                        feats: Features, anchors: torch.Tensor) -> tuple[torch.Tensor, BlockBatch, torch.Tensor]:
+                        feats: Features, anchors: torch.Tensor
+                        ) -> tuple[torch.Tensor, BlockBatch, torch.Tensor | TargetRows]:
     """The sequence's part of ``block_outputs``: slot hidden states h [N, d], the blocks, and the target's final
-    hidden states at each slot's position [N, d] (the TV target, read from the online features)."""
+    hidden states at the slots' positions (the TV target, read from the online features): ``TargetRows`` when the
+    anchors are on the host and their span is shorter than the N slots, else one row per slot [N, d]."""
     gamma = model.config.block_size
-    ctx_len = None
+    ctx_len = span = None
     if anchors.device.type == "cpu":  # the plan's anchors: the context length known without a device read
         ctx_len = int(anchors.max()) if anchors.numel() else 0
+        if anchors.numel():  # positions a+k of every block, clamped to the sequence, lie in [lo, hi]
+            span = (int(anchors.min()), min(ctx_len + gamma - 1, ids.shape[0] - 1))
         anchors = to_device(anchors, ids.device)
     blocks = make_blocks(ids, prompt_len, anchors, gamma, model.config.mask_token_id, ctx_len)
     mask = block_mask(blocks.anchors, gamma, blocks.ctx_len)
     h = packed_forward(model, feats.taps[: blocks.ctx_len], frozen.embed(blocks.input_ids), blocks.positions, mask)
     target_pos = blocks.positions.clamp(max=ids.shape[0] - 1)
+    if span is not None and span[1] - span[0] + 1 < target_pos.numel():
+        return h, blocks, TargetRows(feats.hidden[span[0] : span[1] + 1], target_pos - span[0])
     return h, blocks, feats.hidden[target_pos]
 
 
 def head_outputs(model: DSparkDraftModel, frozen: FrozenHead, h: torch.Tensor, prev_ids: torch.Tensor,
-                 target_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The vocabulary-sized part of ``block_outputs``, row by row (so rows of several sequences may go together):
-    (draft logits [N, V] with the Markov bias, confidence logits [N] or None, target logits [N, V] without grad)."""
+                 targets: Sequence[torch.Tensor | TargetRows]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The vocabulary-sized part of ``block_outputs``, row by row (so rows of several sequences may go together;
+    ``targets``: each sequence's part of ``block_hidden_states``, in row order): (draft logits [N, V] with the
+    Markov bias, confidence logits [N] or None, target logits [N, V] without grad)."""
     logits = frozen.logits(h)  # [N, V] U_k
     conf = None
     if model.markov_head is not None:
@@ -311,7 +333,8 @@ def head_outputs(model: DSparkDraftModel, frozen: FrozenHead, h: torch.Tensor, p
             conf = F.linear(torch.cat([h.float(), prev_emb.float()], dim=-1), head.weight.float(),
                             head.bias.float())[:, 0]
     with torch.no_grad():
-        target_logits = frozen.logits(target_hidden)
+        parts = [t.logits(frozen) if isinstance(t, TargetRows) else frozen.logits(t) for t in targets]
+        target_logits = parts[0] if len(parts) == 1 else torch.cat(parts)
     return logits, conf, target_logits
 
 
@@ -403,8 +426,7 @@ class DSparkTask:
             blocks.append(b)
             targets.append(t)
         batch = blocks[0] if len(blocks) == 1 else cat_blocks(blocks)
-        logits, conf, target_logits = head_outputs(self.module, self.frozen, torch.cat(hs), batch.prev_ids,
-                                                   torch.cat(targets))
+        logits, conf, target_logits = head_outputs(self.module, self.frozen, torch.cat(hs), batch.prev_ids, targets)
         out = BlockOutputs(logits, target_logits, conf, batch)
         w_host = torch.cat([plan.weights.reshape(-1) for plan in plans])  # [N]
         w = to_device(w_host, self.device)

@@ -176,6 +176,25 @@ def test_bf16_features_feed_an_fp32_draft(target_path):
     torch.testing.assert_close(got.logits, want.logits, rtol=0.05, atol=0.05)
 
 
+def test_target_rows_cover_each_position_once(target_path):
+    """Overlapping blocks share target positions: with host anchors the lm_head runs once per position of the
+    blocks' span (``TargetRows``), and the gathered logits equal the lm_head over each slot's own row."""
+    from baton.train.dspark import TargetRows, block_hidden_states
+
+    target = load_frozen_target(ServerArgs(model_path=target_path, device="cpu"))
+    model, cfg = build_trainable_draft(target.config, DSparkOptions(block_size=4, num_layers=1, markov_rank=8), CPU)
+    frozen = FrozenHead(target.model, CPU)
+    ids = torch.tensor([5, 17, 42, 8, 3, 60, 11, 29, 33, 7, 9, 23, 70, 2])
+    feats = TargetFeatures(target.model, CPU, cfg.target_layer_ids)(ids.tolist())
+    with torch.no_grad():
+        _, blocks, rows = block_hidden_states(model, frozen, ids, 4, feats, torch.tensor([4, 5, 6, 7, 8, 11]))
+        assert isinstance(rows, TargetRows) and rows.hidden.shape[0] == 14 - 4  # positions 4..13, not 24 rows
+        per_slot = frozen.logits(feats.hidden[blocks.positions.clamp(max=13)])
+        torch.testing.assert_close(rows.logits(frozen), per_slot)
+        _, _, sparse = block_hidden_states(model, frozen, ids, 4, feats, torch.tensor([4, 12]))  # span 4..13 > 8
+        assert isinstance(sparse, torch.Tensor) and sparse.shape[0] == 8
+
+
 @pytest.mark.parametrize("markov_rank", [8, 0])  # DSpark, and DFlash (no heads)
 def test_batched_loss_equals_the_per_sequence_sum(target_path, markov_rank):
     """``--batched-loss``: one vocabulary pass over the batch gives the per-sequence losses' sum, their gradients and
