@@ -106,6 +106,8 @@ class FrozenHead:
         self.embed_weight = target.embed_tokens.weight.detach()[:vocab].to(device)  # [V, d]
         self.head_weight = target.lm_head_weight.detach()[:vocab].to(device)  # [V, d]
         self.vocab_size = vocab
+        # the fp32 copy ``logits`` multiplies by, made once (a bf16 target's was re-made twice a sequence)
+        self._head_fp32 = self.head_weight if self.head_weight.dtype == torch.float32 else self.head_weight.float()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [N] -> [N, d] in the target dtype."""
@@ -114,7 +116,7 @@ class FrozenHead:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, d] -> fp32 logits [N, V] (as ``CausalLM.compute_logits`` with lm_head_fp32)."""
         with _no_autocast(hidden.device):
-            return hidden.float() @ self.head_weight.float().t()
+            return hidden.float() @ self._head_fp32.t()
 
 
 def _no_autocast(device: torch.device):
