@@ -40,6 +40,12 @@ first load of data written by an earlier kernel and ``gdc_launch_dependents`` ri
 producer triggers only after its own wait, data written two launches back (the router's ``topk_ids`` /
 ``topk_weights``, the alignment metadata) is complete when a consumer starts, so the down kernels read it before
 their wait and only the activations are behind it.
+
+fp8 experts (e4m3 weights, 128 x 128 block ``scale_inv``, the Ling fp8 checkpoint layout): up to
+``FP8_DIRECT_MAX_PAIRS`` (token, expert) pairs the direct kernels take one scalar scale per 128-column chunk and fold
+it into the activations; past that (prefill) the aligned kernels widen each weight tile to the activations' dtype
+and scale the tile's product (BLOCK_N and BLOCK_K divide 128, so a tile lies in one scale block). Neither path makes
+a dequantised copy of the experts.
 """
 
 from __future__ import annotations
