@@ -23,6 +23,7 @@ import hashlib
 import logging
 import os
 import socket
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -139,10 +140,21 @@ def _worker(rank: int, world: int, port: int, kind: str, fn: Callable[[DataParal
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the ranks share the host's cores
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=device if kind == "cuda" else None)
+    done = False
     try:
         fn(DataParallel(rank, world, device))
+        dist.barrier()  # every rank at the end (rank 0 saves after the others' last step) before any tears down
+        done = True
     finally:
         dist.destroy_process_group()
+    if done:
+        # Leave without the interpreter's finalisation: Gloo's worker threads may still hold tensors whose release
+        # then needs the GIL of a dying interpreter, and the process aborts (SIGABRT, "terminate called without an
+        # active exception"; seen once in CI on 2026-11-30, after the run's work was all written).
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def launch(world: int, kind: str, fn: Callable[[DataParallel], Any], log_level: str = "info") -> None:
