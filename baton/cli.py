@@ -39,6 +39,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "checkpoint; fp8 checkpoints are detected from their quantization_config)")
     g.add_argument("--enable-fp32-lm-head", action="store_true",
                    help="compute logits with an fp32 copy of the lm_head (default: the model dtype)")
+    g.add_argument("--enable-fp8-draft-lm-head", action="store_true",
+                   help="speculative decoding: the drafts' logits from an fp8 copy of the lm_head (e4m3, 128x128 "
+                        "block scales; half the bytes a draft step reads). The verify keeps the model's lm_head, so "
+                        "the output is unchanged; only the drafts (and the accept length) may differ")
     g.add_argument("--enable-fp32-router", action="store_true",
                    help="run the MoE router gate in fp32 (default: the model dtype, as the seed's final config)")
     g.add_argument("--mem-fraction-static", type=float, default=None, help="accepted for SGLang compatibility")

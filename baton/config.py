@@ -303,6 +303,7 @@ class ServerArgs:
     max_request_bytes: int = 8 * 1024 * 1024
     enable_fp32_lm_head: bool = False  # keep an fp32 copy of the lm_head (default: the model dtype)
     enable_fp32_router: bool = False  # keep the MoE router gate in fp32 (default: the model dtype)
+    enable_fp8_draft_lm_head: bool = False  # drafts' logits from an fp8 copy of the lm_head (the verify's unchanged)
     quantization: str | None = None  # "fp8": routed experts in fp8 (quantised at load from a bf16 checkpoint)
     spec: SpecConfig = field(default_factory=SpecConfig)
 

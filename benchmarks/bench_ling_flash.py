@@ -5,6 +5,7 @@ and 6-token verify step times, the census, and NEXTN (5, 1, 6) TPOT at simulated
     python benchmarks/bench_ling_flash.py [--num-layers 18] [--input-len 8192] [--output-len 1024]
     python benchmarks/bench_ling_flash.py --num-layers 42 --quantization fp8     # the whole model on one H200
     python benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2            # the whole model, bf16, TP2
+    python benchmarks/bench_ling_flash.py ... --enable-fp8-draft-lm-head         # drafts' lm_head in fp8
 
 The floor of each step is printed by the census: bytes touched (dense weights once, each distinct expert once,
 KDA states read and written, the MLA latent cache read, the draft's reads) over 4.2 TB/s.
@@ -97,7 +98,8 @@ def run_mode(args, path: str, spec: dict) -> dict:
     server_args = ServerArgs(model_path=path, load_format="dummy", device="cuda", dtype="bfloat16",
                              json_model_override_args=json.dumps({"num_hidden_layers": args.num_layers}),
                              context_length=args.input_len + args.output_len + 64, spec=SpecConfig(**spec),
-                             quantization=args.quantization, tp_size=args.tp_size)
+                             quantization=args.quantization, tp_size=args.tp_size,
+                             enable_fp8_draft_lm_head=args.enable_fp8_draft_lm_head)
     if args.tp_size > 1:
         from baton.engine.tp import run_tp
         from benchmarks.bench_ling_flash import _tp_leader as leader  # by module name: spawned ranks import it
@@ -130,6 +132,8 @@ def main() -> None:
     p.add_argument("--tp-size", type=int, default=1, help="ranks (one GPU each); the census is rank 0's")
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8 experts: the whole 42-layer model (+ MTP) fits one H200 (about 133 GB)")
+    p.add_argument("--enable-fp8-draft-lm-head", action="store_true",
+                   help="NEXTN drafts take their logits from an fp8 copy of the lm_head (the verify's unchanged)")
     args = p.parse_args()
     path = flash_dir()
     modes = {"plain": {}, "nextn": {"algorithm": "NEXTN", "num_steps": 5, "eagle_topk": 1, "num_draft_tokens": 6,
@@ -141,7 +145,9 @@ def main() -> None:
         print(name, json.dumps({k: v for k, v in record[name].items() if k not in ("runs", "census")}))
     record["quantization"] = args.quantization
     record["tp_size"] = args.tp_size
+    record["fp8_draft_lm_head"] = args.enable_fp8_draft_lm_head
     tp = f"_tp{args.tp_size}" if args.tp_size > 1 else ""
+    tp += "_fp8head" if args.enable_fp8_draft_lm_head else ""
     modes = "" if args.modes == "plain,nextn" else "_" + args.modes.replace(",", "-")
     save(f"ling_flash_{args.num_layers}l{'_fp8' if args.quantization else ''}{tp}{modes}", record)
 

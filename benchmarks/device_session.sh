@@ -327,15 +327,28 @@ c)  # a call that carries a part of the GGUF (a training session's first two cal
          OUT=$R timeout -s ABRT ${FP8_S:-330} python3 benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2 \
              --quantization fp8 --modes ${FP8_MODES:-nextn,plain} --num-requests 1 > "$R/tp2_fp8.log" 2>&1
          echo "tp2 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_fp8.log" ;;
-    one) # GPU 1 meanwhile: the TP2 linear shapes at M=6 the table still lacks (--skip-tuned: dense_gate_up,
-         # dense_down and lm_head, which two earlier tunes did not reach); the table comes back in $R
-         CUDA_VISIBLE_DEVICES=1 timeout ${TUNE_S:-200} python3 -m baton.ops.linear.bench --tune --tp-size 2 --only ling \
-             --m 6 --skip-tuned --json "$R/linear_tune_tp2_m6.json" --write-table "$R/nvidia-h200-tp2-m6.json" \
-             > "$R/linear_tune_tp2_m6.log" 2>&1 &
+    one) # the whole model on one GPU, the A/B of the drafts' fp8 lm_head in one run (a GPU each): GPU 0 with it
+         # (NEXTN, then plain at the current kernels), GPU 1 without it (NEXTN), then the fp8_linear kernel's GPU
+         # tests and bench (its tile sweep at the Ling lm_head); C_TUNE_TP2=1 also the TP2 M=6 linear shapes the
+         # table lacks (--skip-tuned: dense_gate_up, dense_down, lm_head)
          fp8_tests
+         ( export CUDA_VISIBLE_DEVICES=1
+           OUT=$R timeout ${FP8_S:-330} python3 benchmarks/bench_ling_flash.py --num-layers 42 --quantization fp8 \
+               --modes nextn --num-requests 1 > "$R/ling42_fp8_nextn_bf16head.log" 2>&1
+           echo "ling42 fp8 nextn (bf16 draft head) rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8_nextn_bf16head.log"
+           timeout -s INT -k 10 90 python3 -m pytest -q tests/ops/test_fp8_linear.py -p no:cacheprovider -rfEs \
+               > "$R/fp8_linear_tests.log" 2>&1
+           timeout 120 python3 -m baton.ops.fp8_linear.bench --shapes 157184x2560 78592x2560 --rows 1 --sweep \
+               --json "$R/fp8_linear_bench.json" > "$R/fp8_linear_bench.log" 2>&1
+           if [ "${C_TUNE_TP2:-0}" = 1 ]; then
+             timeout ${TUNE_S:-200} python3 -m baton.ops.linear.bench --tune --tp-size 2 --only ling --m 6 \
+                 --skip-tuned --json "$R/linear_tune_tp2_m6.json" --write-table "$R/nvidia-h200-tp2-m6.json" \
+                 > "$R/linear_tune_tp2_m6.log" 2>&1
+           fi ) &
          CUDA_VISIBLE_DEVICES=0 OUT=$R timeout ${FP8_S:-330} python3 benchmarks/bench_ling_flash.py --num-layers 42 \
-             --quantization fp8 --modes ${FP8_MODES:-nextn,plain} --num-requests 1 > "$R/ling42_fp8.log" 2>&1
-         echo "ling42 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8.log"
+             --quantization fp8 --modes ${FP8_MODES:-nextn,plain} --num-requests 1 --enable-fp8-draft-lm-head \
+             > "$R/ling42_fp8.log" 2>&1
+         echo "ling42 fp8 (fp8 draft head) rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8.log"
          wait ;;
   esac ;;
 x)  # (the GGUF, carried data) issue 7: with ASYNC_AB=1 an A/B of the async host-to-device copies (30 steps a GPU;

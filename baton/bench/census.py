@@ -198,6 +198,7 @@ def step_bytes(engine, input_len: int, num_verify: int, experts_per_layer: float
             cache_read += _kv_bytes(c, ctx)
     out = {"dense_weights": float(dense), "experts": expert_bytes, "state": float(state), "cache": float(cache_read)}
     drafter = engine.drafter
+    lm_head = model.draft_lm_head_bytes()  # the drafts' lm_head passes (fp8 under --enable-fp8-draft-lm-head)
     if drafter is not None and hasattr(drafter, "head"):
         # num_steps - 1 chain forwards plus the extend, each reading the head's dense weights, the experts one
         # token routes to (an MTP head with a MoE touches top-k of them, not all) and one lm_head pass.

@@ -72,6 +72,8 @@ class Engine:
             from baton.spec.factory import build_drafter
 
             self.drafter = build_drafter(self, spec)
+            if args.enable_fp8_draft_lm_head:
+                self.model.use_fp8_draft_lm_head()
         self.spec_stats = SpecStats()
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | _config_eos(self.model_config)
         self._sim_generator = torch.Generator().manual_seed(args.seed)

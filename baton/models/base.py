@@ -22,6 +22,7 @@ class CausalLM(nn.Module):
     ``layer_id`` and ``make_cache``), ``self.norm`` and ``self.lm_head_weight``-providing attributes."""
 
     lm_head_fp32_weight: torch.Tensor | None = None  # set by use_fp32_lm_head()
+    draft_lm_head_fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # set by use_fp8_draft_lm_head()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -59,18 +60,46 @@ class CausalLM(nn.Module):
         w = self.lm_head_weight
         self.lm_head_fp32_weight = None if w.dtype == torch.float32 else w.detach().float()
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [T, d] -> fp32 logits [T, V] (gathered from every rank under tensor parallelism)."""
-        logits = self.compute_local_logits(hidden)
+    def use_fp8_draft_lm_head(self) -> None:
+        """``--enable-fp8-draft-lm-head``: the drafts' logits come from an fp8 copy of this rank's lm_head (e4m3,
+        128 x 128 block scales; ``baton.ops.fp8_linear``), half the bytes of a bf16 pass, the largest read of a
+        NEXTN draft step. The target's own logits (verify, sampling) keep the lm_head's dtype, so the output is
+        unchanged: only which drafts are proposed can differ."""
+        from baton.ops.quant import quantize_fp8_block
+
+        w = self.lm_head_weight.detach()
+        rows = 16384  # a multiple of the 128-row blocks: the fp32 transient of quantising stays small
+        parts = [quantize_fp8_block(w[i : i + rows]) for i in range(0, w.shape[0], rows)]
+        self.draft_lm_head_fp8 = (torch.cat([q for q, _ in parts]), torch.cat([sc for _, sc in parts]))
+
+    def draft_lm_head_bytes(self) -> int:
+        """Bytes one drafts' lm_head pass reads (this rank's block)."""
+        if self.draft_lm_head_fp8 is not None:
+            return sum(t.nbytes for t in self.draft_lm_head_fp8)
+        return self.lm_head_weight.nbytes
+
+    def compute_local_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``compute_local_logits`` for the drafters: through the fp8 copy when ``use_fp8_draft_lm_head`` made one."""
+        if self.draft_lm_head_fp8 is None:
+            return self.compute_local_logits(hidden)
+        from baton.ops.fp8_linear import fp8_linear
+
+        return fp8_linear(hidden, *self.draft_lm_head_fp8)
+
+    def compute_logits(self, hidden: torch.Tensor, draft: bool = False) -> torch.Tensor:
+        """hidden [T, d] -> fp32 logits [T, V] (gathered from every rank under tensor parallelism); ``draft``:
+        the drafters' lm_head (``compute_local_draft_logits``)."""
+        logits = self.compute_local_draft_logits(hidden) if draft else self.compute_local_logits(hidden)
         if dist.tp_size() == 1:
             return logits
         return dist.all_gather(logits, dim=-1)[:, : self.embed_tokens.vocab.vocab_size]
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [T, d] -> argmax token ids [T] (int64), the lowest id among ties, the same on every rank."""
+    def greedy_tokens(self, hidden: torch.Tensor, draft: bool = False) -> torch.Tensor:
+        """hidden [T, d] -> argmax token ids [T] (int64), the lowest id among ties, the same on every rank;
+        ``draft``: over the drafters' logits (``compute_local_draft_logits``)."""
         if dist.tp_size() == 1:
-            return argmax_rows(self.compute_logits(hidden))
-        logits = self.compute_local_logits(hidden)
+            return argmax_rows(self.compute_logits(hidden, draft))
+        logits = self.compute_local_draft_logits(hidden) if draft else self.compute_local_logits(hidden)
         vocab = self.embed_tokens.vocab
         if vocab.valid < logits.shape[-1]:
             logits[:, vocab.valid :] = float("-inf")

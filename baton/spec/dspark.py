@@ -383,10 +383,10 @@ class DSparkDrafter(Drafter):
         h = self.block_hidden(anchor, anchor_pos)
         if not self.use_heads:  # DFlash: slots are independent given the context; verify the whole block
             if sampling.is_greedy:
-                return Draft(self.target.greedy_tokens(h), None)
-            tokens, probs = pick_tokens(self.target.compute_logits(h), sampling, generator)
+                return Draft(self.target.greedy_tokens(h, draft=True), None)
+            tokens, probs = pick_tokens(self.target.compute_logits(h, draft=True), sampling, generator)
             return Draft(tokens, probs)
-        base_logits = self.target.compute_logits(h)  # [gamma, V] fp32: U_k (gathered under TP)
+        base_logits = self.target.compute_logits(h, draft=True)  # [gamma, V] fp32: U_k (gathered under TP)
         prop = markov_propose(base_logits, anchor, self.model.markov_head, sampling, generator)
         num = self.gamma
         if self.sps_table is not None:
@@ -405,9 +405,9 @@ class DSparkDrafter(Drafter):
         ids = torch.cat([relay.anchor, self._mask_ids])  # [B]: the whole trained block (see __init__)
         h = self.model(self.target.embed(ids), relay.pos + self._block_arange, self.caches, None)[: self.gamma]
         if not self.use_heads:
-            relay.draft_tokens.copy_(self.target.greedy_tokens(h))
+            relay.draft_tokens.copy_(self.target.greedy_tokens(h, draft=True))
             return
-        base_logits = self.target.compute_logits(h)  # [gamma, V] (gathered under TP: one collective a round)
+        base_logits = self.target.compute_logits(h, draft=True)  # [gamma, V] (gathered under TP: one collective)
         head = self.model.markov_head  # the greedy chain in 2 kernels a slot on CUDA (ops/argmax)
         relay.draft_tokens.copy_(markov_greedy(base_logits, relay.anchor, head.w1.weight, head.w2.weight))
 

@@ -39,7 +39,7 @@ class NextNDrafter(Drafter):
         return self.head(self.target.embed(next_ids), hidden, ctx)
 
     def _seed(self, draft_hidden: torch.Tensor, sampling: SamplingParams, generator) -> None:
-        tok, probs = pick_tokens(self.target.compute_logits(draft_hidden), sampling, generator)
+        tok, probs = pick_tokens(self.target.compute_logits(draft_hidden, draft=True), sampling, generator)
         self._first, self._first_probs, self._hidden = tok, probs, draft_hidden
 
     def begin(self, prompt_ids, target_hidden, captured, first_token, sampling, generator) -> None:
@@ -52,7 +52,7 @@ class NextNDrafter(Drafter):
         hidden = self._hidden
         for j in range(1, self.num_steps):
             hidden = self._forward(ForwardMode.DRAFT, tokens[-1], hidden, anchor_pos + j - 1)
-            tok, p = pick_tokens(self.target.compute_logits(hidden), sampling, generator)
+            tok, p = pick_tokens(self.target.compute_logits(hidden, draft=True), sampling, generator)
             tokens.append(tok)
             probs.append(p)
         q = None if probs[0] is None else torch.cat(probs)
@@ -73,7 +73,7 @@ class NextNDrafter(Drafter):
     def graph_start(self, relay) -> None:
         """The graph chain drafts by argmax (its verify takes q one-hot, also for sampled requests), so the
         first draft is the argmax too, even when ``begin`` sampled one for the eager path."""
-        relay.first_draft.copy_(self.target.greedy_tokens(self._hidden).reshape(1))
+        relay.first_draft.copy_(self.target.greedy_tokens(self._hidden, draft=True).reshape(1))
         relay.draft_hidden.copy_(self._hidden)
 
     def graph_draft(self, relay, arange) -> None:
@@ -81,7 +81,7 @@ class NextNDrafter(Drafter):
         tokens, hidden = [relay.first_draft], relay.draft_hidden
         for j in range(1, self.num_steps):
             hidden = self._graph_forward(ForwardMode.DRAFT, tokens[-1], hidden, relay.pos + (j - 1))
-            tokens.append(self.target.greedy_tokens(hidden))
+            tokens.append(self.target.greedy_tokens(hidden, draft=True))
         relay.draft_tokens.copy_(torch.cat(tokens))
 
     def graph_extend(self, relay, arange) -> None:
@@ -91,4 +91,4 @@ class NextNDrafter(Drafter):
                                 relay.extend_pos + arange)
         row = g.index_select(0, relay.num_accepted)
         relay.draft_hidden.copy_(row)
-        relay.first_draft.copy_(self.target.greedy_tokens(row))
+        relay.first_draft.copy_(self.target.greedy_tokens(row, draft=True))

@@ -1,0 +1,108 @@
+"""fp8 (e4m3) weight x bf16 / fp32 rows -> fp32, the 128 x 128 block scales applied in registers.
+
+One program per BLOCK_N output rows (BLOCK_N divides 128: the program's rows share one row of scales) walks K in
+chunks of BLOCK_K (dividing 128: a chunk lies in one scale block, so its scale is one scalar):
+- one row (M == 1, a NEXTN draft step): the [BLOCK_N, BLOCK_K] products are summed in fp32 registers, the scale
+  folded into the activation chunk, one reduction after the loop;
+- a few rows (a DSpark block, up to ``MAX_M``): ``tl.dot`` over a [BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N] tile, the
+  weights widened to the activations' dtype, each chunk's product scaled once.
+
+The weight bytes are half a bf16 matrix's; the floor of a pass is N * K bytes / bandwidth. PDL (SM90+): the first
+weight chunk is requested before waiting on the previous kernel, whose output (x) is read after the wait.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from baton.ops.linear.triton import pdl_enabled
+from baton.ops.quant.fp8 import BLOCK as SB
+from baton.ops.quant.fp8 import FP8_DTYPE
+
+MAX_M = 16
+
+
+@triton.jit
+def fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr, stride_xm, stride_wn, stride_sn,
+                      stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      SB: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr, DOT_FP32: tl.constexpr,
+                      USE_PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: the loads need no row mask
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]  # [BLOCK_N, BLOCK_K]
+    s_row = s_ptr + ((pid * BLOCK_N) // SB) * stride_sn
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    w = tl.load(w_ptrs, mask=(offs_k < K)[None, :], other=0.0)  # the weights never wait on the previous kernel
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < K
+        s = tl.load(s_row + k0 // SB)
+        if USE_DOT:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                        other=0.0)
+            if UPCAST:  # the interpreter's dot reads low-precision operands as raw bits: exact fp32 copies
+                part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            elif DOT_FP32:
+                part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                part = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+            acc += part * s
+        else:
+            x = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+            acc += w.to(tl.float32) * (x * s)[None, :]
+        kn = kk + BLOCK_K
+        w = tl.load(w_ptrs + k0 + BLOCK_K, mask=(kn < K)[None, :], other=0.0)  # the next chunk (zeros past K)
+    if USE_DOT:
+        y = acc
+    else:
+        y = tl.sum(acc, axis=1)[None, :]
+    mask = m_mask[:, None] & (offs_n < N)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
+
+
+def pick_tiles(m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for ``m`` rows. Not tuned yet: the bench sweeps them
+    (``python -m baton.ops.fp8_linear.bench --sweep``)."""
+    return (64, 128, 4, 3) if m == 1 else (64, 128, 4, 2)
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> bool:
+    return (x.dim() == 2 and 1 <= x.shape[0] <= MAX_M and weight.dtype == FP8_DTYPE and weight.dim() == 2
+            and x.shape[1] == weight.shape[1] and weight.stride(1) == 1 and x.dtype in (torch.bfloat16, torch.float32)
+            and scale_inv.dtype == torch.float32 and scale_inv.shape == (triton.cdiv(weight.shape[0], SB),
+                                                                        triton.cdiv(weight.shape[1], SB)))
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+               tiles: tuple[int, int, int, int] | None = None, pdl: bool | None = None) -> torch.Tensor:
+    """x [M <= MAX_M, K], weight [N, K] fp8, scale_inv [ceil(N/128), ceil(K/128)] fp32 -> fp32 [M, N]."""
+    m, k = x.shape
+    n = weight.shape[0]
+    block_n, block_k, num_warps, num_stages = tiles or pick_tiles(m)
+    assert SB % block_n == 0 and SB % block_k == 0, "fp8 tiles: BLOCK_N and BLOCK_K must divide the 128 x 128 blocks"
+    x = x.contiguous()
+    scale_inv = scale_inv.contiguous()
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    use_dot = m > 1
+    pdl = pdl_enabled(x.device) if pdl is None else pdl
+    interpreting = x.device.type != "cuda"
+    kw = {"launch_pdl": True} if pdl else {}
+    fp8_linear_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, scale_inv, out, m, n, k, x.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
+        BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, SB=SB,
+        USE_DOT=use_dot, UPCAST=interpreting, DOT_FP32=x.dtype == torch.float32, USE_PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, **kw,
+    )
+    return out
