@@ -77,3 +77,25 @@ def test_step_bytes_count_a_block_drafter(tmp_path):
     assert spec["draft"] > weights + lm_head  # and the context cache on top
     assert spec["total"] == pytest.approx(sum(v for k, v in spec.items() if k != "total"))
     assert spec["total"] > plain["total"] + weights
+
+
+def test_step_bytes_count_the_fp8_draft_lm_head(tmp_path):
+    """Under --enable-fp8-draft-lm-head a draft step's lm_head pass reads the fp8 copy (1 byte a weight and the
+    scales), not the model's lm_head."""
+    from baton.bench.census import draft_head_bytes, step_bytes
+    from baton.config import ServerArgs, SpecConfig
+    from baton.engine.engine import Engine
+    from tests.conftest import TINY_LING
+    from tests.spec.conftest import write_checkpoint
+
+    target = write_checkpoint(tmp_path, "ling", TINY_LING)
+
+    def engine(fp8_head: bool) -> Engine:
+        return Engine(ServerArgs(model_path=target, device="cpu", context_length=256,
+                                 enable_fp8_draft_lm_head=fp8_head, spec=SpecConfig(algorithm="NEXTN", num_steps=3)))
+
+    bf16, fp8 = engine(False), engine(True)
+    head = draft_head_bytes(bf16.drafter.head)
+    q, s = fp8.model.draft_lm_head_fp8
+    assert step_bytes(bf16, 100, 4, 0.0)["draft"] == pytest.approx(3 * (head + bf16.model.lm_head_weight.nbytes))
+    assert step_bytes(fp8, 100, 4, 0.0)["draft"] == pytest.approx(3 * (head + q.nbytes + s.nbytes))
