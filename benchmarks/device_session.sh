@@ -378,7 +378,9 @@ x)  # (the GGUF, carried data) issue 7: with ASYNC_AB=1 an A/B of the async host
     echo "dspark s/step: blocking copies $(per_step "$R/ab_async_0.log"), async $(per_step "$R/ab_async_1.log")" \
         | tee "$R/ab_async.txt"
   fi
-  if [ "${PROFILE:-1}" = 1 ]; then  # where a 0.24 s step goes: steps 11..15 under torch.profiler (--profile-steps)
+  # where a 0.24 s step goes: the runs below profile steps 11..15 (PROFILE_STEPS, torch.profiler; profile.json in
+  # each drafter's directory); PROFILE=1 also profiles 30 steps of one GPU alone first
+  if [ "${PROFILE:-0}" = 1 ]; then
     ab_steps profile 0 -- --profile-steps 5
     cp /tmp/ab_profile0/profile.txt /tmp/ab_profile0/profile.json "$R/" 2>/dev/null
   fi
@@ -391,6 +393,7 @@ x)  # (the GGUF, carried data) issue 7: with ASYNC_AB=1 an A/B of the async host
   EXTRA=""; [ "$BATCHED" = 1 ] && EXTRA="--batched-loss"
   ( cd /tmp/repo_x && setsid nohup env PYTHONPATH=/tmp/site:/tmp/repo_x GSM8K=/tmp/gsm8k GPUS=cuda:0,cuda:1 \
       EXTRA_TRAIN_ARGS="$EXTRA" TRAIN_BUDGET=${TRAIN_BUDGET:-700} MODE=${MODE:-ab} NEW_DATA=${NEW_DATA:-0} \
+      PROFILE_STEPS=${PROFILE_STEPS:-5} \
       A_INIT=${A_INIT:-scratch} \
       DATA_BUDGET=${DATA_BUDGET:-150} bash benchmarks/train_more_dspark.sh /tmp/train \
       > /tmp/train/more.log 2>&1 < /dev/null & )

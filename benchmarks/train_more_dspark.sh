@@ -16,6 +16,8 @@
 # NEW_DATA=1: first more data on both GPUs (GSM8K train prompts from SKIP, default 3000, which the 2026-11-29
 #   data did not reach; 5-shot and chat, greedy; DATA_BUDGET seconds), appended to the training data.
 # REPORT=0: stop after training (no STS calibration, no report).
+# PROFILE_STEPS=N: each run profiles N steps after its first 10 (OUT/dspark_X/profile.{txt,json}: wall against GPU
+#   kernel time per step, the top operators).
 # Data: OUT/data/gsm8k.jsonl and its holdout, made by baton/train/recipe_smollm2.sh step 1 (reused, not remade).
 # Each run: TRAIN_BUDGET seconds of optimiser steps; then STS calibration and benchmarks/bench_drafts.py (GSM8K
 # test questions, gamma 4, 8, 16, greedy and T 0.7; B's report also runs the shipped NEXTN head at 3 steps). The
@@ -39,7 +41,8 @@ SHIPPED=${SHIPPED:-baton/drafts/smollm2-135m-instruct/dspark}
 COMMON=(--train-data "$DATA" --epochs "${EPOCHS:-30}" --batch-size "${BATCH:-16}" --seed 0 --save-dtype bfloat16
         --time-budget "${TRAIN_BUDGET:-1000}" --holdout-data "$HOLD" --eval-prompts "${EVAL_PROMPTS:-32}"
         --eval-max-new-tokens "${MAX_NEW:-256}" --eval-every 0 --target-device "$D" --device "$D" --num-layers 1 --block-size 16
-        --markov-rank 16 --target-layer-ids 1,27 --num-anchors "${ANCHORS:-256}" ${EXTRA_TRAIN_ARGS:-})
+        --markov-rank 16 --target-layer-ids 1,27 --num-anchors "${ANCHORS:-256}" --profile-steps "${PROFILE_STEPS:-0}"
+        ${EXTRA_TRAIN_ARGS:-})
 t0=$SECONDS
 if [ "${NEW_DATA:-0}" = 1 ]; then
   # GSM8K train has 7,473 questions: from SKIP on, half to each GPU
