@@ -328,7 +328,8 @@ c)  # a call that carries a part of the GGUF (a training session's first two cal
              --quantization fp8 --modes ${FP8_MODES:-nextn,plain} --num-requests 1 > "$R/tp2_fp8.log" 2>&1
          echo "tp2 fp8 rc=$? at $((SECONDS - t0)) s" >> "$R/tp2_fp8.log" ;;
     one) # the whole model on one GPU, the A/B of the drafts' fp8 lm_head in one run (a GPU each): GPU 0 with it
-         # (NEXTN, then plain at the current kernels), GPU 1 without it (NEXTN), then the fp8_linear kernel's GPU
+         # (plain at the current kernels first, which the flag does not touch; then NEXTN with the new kernel),
+         # GPU 1 without it (NEXTN), then the fp8_linear kernel's GPU
          # tests and bench (its tile sweep at the Ling lm_head); C_TUNE_TP2=1 also the TP2 M=6 linear shapes the
          # table lacks (--skip-tuned: dense_gate_up, dense_down, lm_head)
          fp8_tests
@@ -346,7 +347,7 @@ c)  # a call that carries a part of the GGUF (a training session's first two cal
                  > "$R/linear_tune_tp2_m6.log" 2>&1
            fi ) &
          CUDA_VISIBLE_DEVICES=0 OUT=$R timeout ${FP8_S:-330} python3 benchmarks/bench_ling_flash.py --num-layers 42 \
-             --quantization fp8 --modes ${FP8_MODES:-nextn,plain} --num-requests 1 --enable-fp8-draft-lm-head \
+             --quantization fp8 --modes ${FP8_MODES:-plain,nextn} --num-requests 1 --enable-fp8-draft-lm-head \
              > "$R/ling42_fp8.log" 2>&1
          echo "ling42 fp8 (fp8 draft head) rc=$? at $((SECONDS - t0)) s" >> "$R/ling42_fp8.log"
          wait ;;
