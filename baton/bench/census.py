@@ -198,13 +198,13 @@ def step_bytes(engine, input_len: int, num_verify: int, experts_per_layer: float
             cache_read += _kv_bytes(c, ctx)
     out = {"dense_weights": float(dense), "experts": expert_bytes, "state": float(state), "cache": float(cache_read)}
     drafter = engine.drafter
-    lm_head = model.draft_lm_head_bytes()  # the drafts' lm_head passes (fp8 under --enable-fp8-draft-lm-head)
+    draft_lm_head = model.draft_lm_head_bytes()  # a drafts' lm_head pass (fp8 under --enable-fp8-draft-lm-head)
     if drafter is not None and hasattr(drafter, "head"):
         # num_steps - 1 chain forwards plus the extend, each reading the head's dense weights, the experts one
         # token routes to (an MTP head with a MoE touches top-k of them, not all) and one lm_head pass.
-        out["draft"] = float(drafter.num_steps * (draft_head_bytes(drafter.head) + lm_head))
+        out["draft"] = float(drafter.num_steps * (draft_head_bytes(drafter.head) + draft_lm_head))
     elif drafter is not None and hasattr(drafter, "caches"):
-        out["draft"] = block_draft_bytes(drafter, ctx, lm_head)
+        out["draft"] = block_draft_bytes(drafter, ctx, draft_lm_head)
     out["total"] = sum(out.values())
     return out
 

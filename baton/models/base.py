@@ -78,9 +78,10 @@ class CausalLM(nn.Module):
             return sum(t.nbytes for t in self.draft_lm_head_fp8)
         return self.lm_head_weight.nbytes
 
-    def compute_local_draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``compute_local_logits`` for the drafters: through the fp8 copy when ``use_fp8_draft_lm_head`` made one."""
-        if self.draft_lm_head_fp8 is None:
+    def _local_logits(self, hidden: torch.Tensor, draft: bool) -> torch.Tensor:
+        """``compute_local_logits``; for the drafters (``draft``) through the fp8 copy when
+        ``use_fp8_draft_lm_head`` made one."""
+        if not draft or self.draft_lm_head_fp8 is None:
             return self.compute_local_logits(hidden)
         from baton.ops.fp8_linear import fp8_linear
 
@@ -88,18 +89,18 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, draft: bool = False) -> torch.Tensor:
         """hidden [T, d] -> fp32 logits [T, V] (gathered from every rank under tensor parallelism); ``draft``:
-        the drafters' lm_head (``compute_local_draft_logits``)."""
-        logits = self.compute_local_draft_logits(hidden) if draft else self.compute_local_logits(hidden)
+        the drafters' lm_head (``use_fp8_draft_lm_head``)."""
+        logits = self._local_logits(hidden, draft)
         if dist.tp_size() == 1:
             return logits
         return dist.all_gather(logits, dim=-1)[:, : self.embed_tokens.vocab.vocab_size]
 
     def greedy_tokens(self, hidden: torch.Tensor, draft: bool = False) -> torch.Tensor:
         """hidden [T, d] -> argmax token ids [T] (int64), the lowest id among ties, the same on every rank;
-        ``draft``: over the drafters' logits (``compute_local_draft_logits``)."""
+        ``draft``: over the drafters' logits (``use_fp8_draft_lm_head``)."""
         if dist.tp_size() == 1:
             return argmax_rows(self.compute_logits(hidden, draft))
-        logits = self.compute_local_draft_logits(hidden) if draft else self.compute_local_logits(hidden)
+        logits = self._local_logits(hidden, draft)
         vocab = self.embed_tokens.vocab
         if vocab.valid < logits.shape[-1]:
             logits[:, vocab.valid :] = float("-inf")

@@ -3,29 +3,20 @@ matmul reference (Triton interpreter on CPU; compiled on CUDA), and the dispatch
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
 from baton.ops.fp8_linear import fp8_linear
 from baton.ops.fp8_linear import naive as ref
 from baton.ops.quant import dequantize_fp8_block, quantize_fp8_block
+from tests.ops.triton_support import interpreted_module
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
 
 
 def _triton():
-    if not HAS_CUDA:
-        os.environ["TRITON_INTERPRET"] = "1"
-    pytest.importorskip("triton")
-    import baton.ops.fp8_linear.triton as ft
-
-    if not HAS_CUDA and type(ft.fp8_linear_kernel).__name__ != "InterpretedFunction":
-        ft = importlib.reload(ft)
-    return ft
+    return interpreted_module("baton.ops.fp8_linear.triton")
 
 
 def test_reference_is_the_dequantised_matmul():

@@ -3,9 +3,6 @@ in registers against a dequantise-then-reference path (Triton interpreter on CPU
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import pytest
 import torch
 
@@ -17,6 +14,7 @@ from baton.ops.quant import (
     quantize_fp8_gate_up,
     scale_shape,
 )
+from tests.ops.triton_support import interpreted_module
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -41,14 +39,33 @@ def test_scales_are_per_block():
 
 
 def _moe_triton():
-    if not HAS_CUDA:
-        os.environ["TRITON_INTERPRET"] = "1"
-    pytest.importorskip("triton")
-    import baton.ops.moe.triton as mt
+    return interpreted_module("baton.ops.moe.triton")
 
-    if not HAS_CUDA and type(mt.moe_up_direct_kernel).__name__ != "InterpretedFunction":
-        mt = importlib.reload(mt)
-    return mt
+
+TOP_K = 3  # of the random experts below
+
+
+def _check_random_fp8_experts(mt, num_tokens: int, limit: float, add: str, **kw) -> None:
+    """Random fp8 experts (6 of width 136 over d = 160: several scale blocks along both axes, ragged edges; top-3
+    routes) through ``mt.fused_experts_decode`` (``kw``: mode, config) with a random ``add`` ("residual" or
+    "shared_out") against the dequantised reference."""
+    from baton.ops.moe.naive import fused_experts
+
+    e, d, inter = 6, 160, 136
+    gen = torch.Generator().manual_seed(num_tokens)
+    w13 = torch.randn(e, 2 * inter, d, generator=gen) * d**-0.5
+    w2 = torch.randn(e, d, inter, generator=gen) * inter**-0.5
+    (q13, s13), (q2, s2) = quantize_fp8_gate_up(w13), quantize_fp8_block(w2)
+    x = torch.randn(num_tokens, d, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:TOP_K] for _ in range(num_tokens)])
+    weights = torch.rand(num_tokens, TOP_K, generator=gen) + 0.1
+    extra = torch.randn(num_tokens, d, generator=gen)
+    ref = fused_experts(x, dequantize_fp8_gate_up(q13, s13, torch.float32), dequantize_fp8_block(q2, s2, torch.float32),
+                        ids, weights, limit) + extra
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    out = mt.fused_experts_decode(to(x), to(q13), to(q2), to(ids), to(weights), limit, **{add: to(extra)}, **kw,
+                                  w13_scale=to(s13), w2_scale=to(s2))
+    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("num_tokens", [1, 3])
@@ -56,24 +73,8 @@ def _moe_triton():
 @pytest.mark.parametrize("tile", [(16, 32), (64, 256), (128, 64)])  # a chunk within, or across, scale blocks
 def test_fp8_fused_experts_match_dequantised_reference(num_tokens, limit, tile):
     mt = _moe_triton()
-    from baton.ops.moe.naive import fused_experts
-
-    e, d, inter, k = 6, 160, 136, 3  # several scale blocks along both axes, ragged edges
-    gen = torch.Generator().manual_seed(num_tokens)
-    w13 = torch.randn(e, 2 * inter, d, generator=gen) * d**-0.5
-    w2 = torch.randn(e, d, inter, generator=gen) * inter**-0.5
-    (q13, s13), (q2, s2) = quantize_fp8_gate_up(w13), quantize_fp8_block(w2)
-    x = torch.randn(num_tokens, d, generator=gen)
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(num_tokens)])
-    weights = torch.rand(num_tokens, k, generator=gen) + 0.1
-    residual = torch.randn(num_tokens, d, generator=gen)
-    ref = fused_experts(x, dequantize_fp8_gate_up(q13, s13, torch.float32), dequantize_fp8_block(q2, s2, torch.float32),
-                        ids, weights, limit) + residual
     cfg = mt.MoEConfig(up=mt.MoETile(*tile, 4, 2), down=mt.MoETile(*tile, 4, 2))
-    to = lambda t: t.to(DEVICE)  # noqa: E731
-    out = mt.fused_experts_decode(to(x), to(q13), to(q2), to(ids), to(weights), limit, residual=to(residual),
-                                  config=cfg, w13_scale=to(s13), w2_scale=to(s2))
-    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+    _check_random_fp8_experts(mt, num_tokens, limit, "residual", config=cfg)
 
 
 @pytest.mark.parametrize("num_tokens,mode,block_m", [(5, "aligned", 16), (50, None, 64), (7, "hybrid", 16)])
@@ -82,27 +83,11 @@ def test_fp8_aligned_experts_match_dequantised_reference(num_tokens, mode, block
     """Prefill shapes: the aligned (expert-grouped, tl.dot) kernels with the scales applied per tile. 50 tokens x 3
     experts = 150 pairs > FP8_DIRECT_MAX_PAIRS, so the default picks aligned (and the torch alignment)."""
     mt = _moe_triton()
-    from baton.ops.moe.naive import fused_experts
-
-    e, d, inter, k, limit = 6, 160, 136, 3, 4.0  # several scale blocks along both axes, ragged edges
-    gen = torch.Generator().manual_seed(num_tokens)
-    w13 = torch.randn(e, 2 * inter, d, generator=gen) * d**-0.5
-    w2 = torch.randn(e, d, inter, generator=gen) * inter**-0.5
-    (q13, s13), (q2, s2) = quantize_fp8_gate_up(w13), quantize_fp8_block(w2)
-    x = torch.randn(num_tokens, d, generator=gen)
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(num_tokens)])
-    weights = torch.rand(num_tokens, k, generator=gen) + 0.1
-    shared = torch.randn(num_tokens, d, generator=gen)
-    ref = fused_experts(x, dequantize_fp8_gate_up(q13, s13, torch.float32), dequantize_fp8_block(q2, s2, torch.float32),
-                        ids, weights, limit) + shared
     cfg = mt.MoEConfig(up=mt.MoETile(*tile, 4, 2), down=mt.MoETile(*tile, 4, 2), block_m=block_m)
     if mode is None:
-        assert num_tokens * k > mt.FP8_DIRECT_MAX_PAIRS
+        assert num_tokens * TOP_K > mt.FP8_DIRECT_MAX_PAIRS
         cfg = None  # FP8_ALIGNED_CONFIG
-    to = lambda t: t.to(DEVICE)  # noqa: E731
-    out = mt.fused_experts_decode(to(x), to(q13), to(q2), to(ids), to(weights), limit, shared_out=to(shared),
-                                  mode=mode, config=cfg, w13_scale=to(s13), w2_scale=to(s2))
-    torch.testing.assert_close(out.cpu(), ref, rtol=1e-4, atol=1e-4)
+    _check_random_fp8_experts(mt, num_tokens, 4.0, "shared_out", mode=mode, config=cfg)
 
 
 def test_fp8_aligned_rejects_tiles_across_scale_blocks():

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import os
 
+import pytest
 import torch
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -35,3 +37,12 @@ def load_triton_module(name: str):
         if not any(type(v).__name__ == "InterpretedFunction" for v in vars(mod).values()):
             mod = importlib.reload(mod)
     return mod
+
+
+def interpreted_module(name: str):
+    """``load_triton_module`` for a test module that imports Triton lazily: on a CPU-only machine the interpreter is
+    switched on first (``TRITON_INTERPRET=1``); without triton installed the test is skipped."""
+    if DEV == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    pytest.importorskip("triton")
+    return load_triton_module(name)

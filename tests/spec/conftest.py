@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from baton.cli import main as baton_main
 from baton.config import ServerArgs, SpecConfig
 from baton.engine.engine import Engine
@@ -19,3 +21,12 @@ def write_checkpoint(root, name: str, cfg: dict) -> str:
 
 def make_engine(model_path: str, **spec) -> Engine:
     return Engine(ServerArgs(model_path=model_path, device="cpu", context_length=512, spec=SpecConfig(**spec)))
+
+
+@pytest.fixture(scope="module")
+def plain(ling_path, llama_path) -> dict[str, list[int]]:
+    """Plain greedy decoding of ``test_spec_core.PROMPT`` on the tiny Ling and Llama targets: what every greedy
+    speculative run must reproduce."""
+    from tests.spec.test_spec_core import run  # (that module imports this one)
+
+    return {name: run(make_engine(path))[0] for name, path in (("ling", ling_path), ("llama", llama_path))}

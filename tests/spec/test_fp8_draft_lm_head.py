@@ -18,12 +18,6 @@ def _engine(path: str, **spec) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def plain(ling_path, llama_path):
-    return {name: run(Engine(ServerArgs(model_path=p, device="cpu", context_length=512)))[0]
-            for name, p in (("ling", ling_path), ("llama", llama_path))}
-
-
-@pytest.fixture(scope="module")
 def random_dspark_llama(ckpt_root, llama_path):
     from baton.spec.dspark_ckpt import write_random_dspark_draft
 

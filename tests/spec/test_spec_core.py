@@ -25,12 +25,6 @@ def run(engine, prompt=PROMPT, max_new_tokens=40, **sp) -> tuple[list[int], int]
     return tokens, verify
 
 
-@pytest.fixture(scope="module")
-def plain(ling_path, llama_path):
-    engines = {"ling": make_engine(ling_path), "llama": make_engine(llama_path)}
-    return {name: run(engine)[0] for name, engine in engines.items()}
-
-
 @pytest.mark.parametrize("steps", [1, 3, 5])
 def test_nextn_greedy_equals_plain_ling(plain, ling_path, steps):
     engine = make_engine(ling_path, algorithm="NEXTN", num_steps=steps)

@@ -27,8 +27,7 @@ MAX_M = 16
 @triton.jit
 def fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr, stride_xm, stride_wn, stride_sn,
                       stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      SB: tl.constexpr, USE_DOT: tl.constexpr, UPCAST: tl.constexpr, DOT_FP32: tl.constexpr,
-                      USE_PDL: tl.constexpr):
+                      SB: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, USE_PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: the loads need no row mask
@@ -52,9 +51,7 @@ def fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr, strid
         if USE_DOT:
             x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :], mask=m_mask[:, None] & k_mask[None, :],
                         other=0.0)
-            if UPCAST:  # the interpreter's dot reads low-precision operands as raw bits: exact fp32 copies
-                part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            elif DOT_FP32:
+            if DOT_FP32:  # fp32 rows; and always in the interpreter, whose dot reads low-precision operands as raw bits
                 part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
             else:
                 part = tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
@@ -102,7 +99,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     fp8_linear_kernel[(triton.cdiv(n, block_n),)](
         x, weight, scale_inv, out, m, n, k, x.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
         BLOCK_M=max(16, triton.next_power_of_2(m)) if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k, SB=SB,
-        USE_DOT=use_dot, UPCAST=interpreting, DOT_FP32=x.dtype == torch.float32, USE_PDL=pdl,
+        USE_DOT=use_dot, DOT_FP32=interpreting or x.dtype == torch.float32, USE_PDL=pdl,
         num_warps=num_warps, num_stages=num_stages, **kw,
     )
     return out
