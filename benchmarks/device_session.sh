@@ -46,7 +46,9 @@
 # ({part, index, nparts, sha256}; `split -n 3 -d -a 2 <gguf> p.`), so the first three calls of a session carry
 # one each, in any order (a cold restart loses the parts already sent). GSM8K travels beside them, split to keep
 # each call under 64 MiB: .carry0/gsm8k/test.jsonl, .carry1/gsm8k/train.jsonl.gz (merged into /tmp/gsm8k). .carry2
-# also holds traindata.tgz (an earlier session's data/gsm8k{,.holdout}.jsonl: phases r and x then skip generation).
+# also holds traindata.tgz (an earlier session's data/gsm8k{,.holdout}.jsonl: phases r and x then skip generation;
+# since 2026-11-30f its gsm8k.jsonl holds the 13,060 records the shipped drafter last trained on, so NEW_DATA=0 trains
+# on all of them). Call phase x without a pipe (`| tail`): a piped x call waited to its 300 s limit (2026-11-30f).
 set -uo pipefail
 phase=${1:?phase a|b|c|d}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts /tmp/res /tmp/train
@@ -319,7 +321,7 @@ c)  # a call that carries a part of the GGUF (a training session's first two cal
       echo "fp8 moe tests rc=$? at $((SECONDS - t0)) s" >> "$R/moe_fp8_tests.log"
     fi
     # the aligned fp8 kernels (new, first compiled here) failing their tests: the benches take the old prefill
-    if grep -q "FAILED.*aligned\|FAILED.*ling_shapes\[300" "$R/moe_fp8_tests.log"; then
+    if grep -q "FAILED.*aligned_experts_match\|FAILED.*ling_shapes\[300" "$R/moe_fp8_tests.log"; then
       export BATON_FP8_ALIGNED=0; echo "aligned fp8 tests failed: BATON_FP8_ALIGNED=0" >> "$R/moe_fp8_tests.log"
     fi
   }

@@ -12,7 +12,7 @@
 #   SHIP=1 ...                                                    # copy the drafts into baton/drafts (the default)
 #   DATA_BUDGET=270 TRAIN_BUDGET=300 ...                          # seconds: cut generation / each training run to fit
 #   REUSE_DATA=1 ...                                              # keep an existing OUT/data/gsm8k.jsonl (no step 1)
-#   DSPARK_MORE="b:850 b:800:data" ...                            # DSpark trained further in stages (below)
+#   DSPARK_MORE="b:850 b:800:data dp:800:data" ...                # DSpark trained further in stages (below)
 #
 # The shipped sizes (NEXTN one layer; DSpark one layer, block 16, Markov rank 16, taps 1,27; both bf16) keep
 # the two drafts under 20 MB. Each training directory gets the checkpoint, metrics.json and train_curves.png;
@@ -76,8 +76,9 @@ stamp nextn
 # 3b. DSpark trained further, stage after stage (benchmarks/train_more_dspark.sh, each from the previous stage's
 #     drafter with a fresh cosine schedule at lr 3e-4): MODE:SECONDS[:data], MODE b (one GPU), dp (both GPUs,
 #     --dp-size 2) or grow (one GPU: the drafter grown by one layer, --grow-layers, saved in fp8); ":data" first
-#     adds responses for the GSM8K prompts step 1 did not reach. The shipped drafter (2026-11-30e) is
-#     DSPARK_MORE="b:850 b:800:data".
+#     adds responses for the GSM8K prompts step 1 did not reach (every ":data" stage makes the same ones again: a
+#     stage without it trains on step 1's data alone). The shipped drafter (2026-11-30f) is
+#     DSPARK_MORE="b:850 b:800:data dp:800:data".
 prev=$OUT/dspark; i=0
 for stage in ${DSPARK_MORE:-}; do
   IFS=: read -r mode secs extra <<< "$stage"
