@@ -48,7 +48,7 @@
 # each call under 64 MiB: .carry0/gsm8k/test.jsonl, .carry1/gsm8k/train.jsonl.gz (merged into /tmp/gsm8k). .carry2
 # also holds traindata.tgz (an earlier session's data/gsm8k{,.holdout}.jsonl: phases r and x then skip generation;
 # since 2026-11-30f its gsm8k.jsonl holds the 13,060 records the shipped drafter last trained on, so NEW_DATA=0 trains
-# on all of them). Call phase x without a pipe (`| tail`): a piped x call waited to its 300 s limit (2026-11-30f).
+# on all of them).
 set -uo pipefail
 phase=${1:?phase a|b|c|d}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/parts /tmp/res /tmp/train
@@ -395,7 +395,9 @@ x)  # (the GGUF, carried data) issue 7: with ASYNC_AB=1 an A/B of the async host
     echo "dspark s/step: per sequence $off, batched $on -> BATCHED=$BATCHED" | tee "$R/ab_batched.txt"
   fi
   EXTRA=""; [ "$BATCHED" = 1 ] && EXTRA="--batched-loss"
-  ( cd /tmp/repo_x && setsid nohup env PYTHONPATH=/tmp/site:/tmp/repo_x GSM8K=/tmp/gsm8k GPUS=cuda:0,cuda:1 \
+  # `cd || exit;` not `cd &&`: `cd && cmd > log &` backgrounds a subshell that keeps the call's stdout open until
+  # cmd ends (a piped call of this phase then waited to its limit, 2026-11-30f)
+  ( cd /tmp/repo_x || exit; setsid nohup env PYTHONPATH=/tmp/site:/tmp/repo_x GSM8K=/tmp/gsm8k GPUS=cuda:0,cuda:1 \
       EXTRA_TRAIN_ARGS="$EXTRA" TRAIN_BUDGET=${TRAIN_BUDGET:-700} MODE=${MODE:-ab} NEW_DATA=${NEW_DATA:-0} \
       PROFILE_STEPS=${PROFILE_STEPS:-5} \
       A_INIT=${A_INIT:-scratch} \

@@ -76,7 +76,8 @@ stamp nextn
 # 3b. DSpark trained further, stage after stage (benchmarks/train_more_dspark.sh, each from the previous stage's
 #     drafter with a fresh cosine schedule at lr 3e-4): MODE:SECONDS[:data], MODE b (one GPU), dp (both GPUs,
 #     --dp-size 2) or grow (one GPU: the drafter grown by one layer, --grow-layers, saved in fp8); ":data" first
-#     adds responses for the GSM8K prompts step 1 did not reach (every ":data" stage makes the same ones again: a
+#     adds responses for the GSM8K prompts step 1 did not reach (STAGE_DATA_BUDGET seconds, default 150, as the
+#     shipped drafter's stages had; every ":data" stage makes the same ones again: a
 #     stage without it trains on step 1's data alone). The shipped drafter (2026-11-30f) is
 #     DSPARK_MORE="b:850 b:800:data dp:800:data".
 prev=$OUT/dspark; i=0
@@ -91,7 +92,8 @@ for stage in ${DSPARK_MORE:-}; do
     export GROW
   fi
   SHIPPED=$prev MODE=$mode A_INIT=$a_init TRAIN_BUDGET=$secs NEW_DATA=$([ "$extra" = data ] && echo 1 || echo 0) \
-      REPORT=0 GPUS=$GPUS GSM8K=$GSM8K bash benchmarks/train_more_dspark.sh "$S" > "$OUT/more_$i.log" 2>&1 \
+      DATA_BUDGET=${STAGE_DATA_BUDGET:-150} REPORT=0 GPUS=$GPUS GSM8K=$GSM8K \
+      bash benchmarks/train_more_dspark.sh "$S" > "$OUT/more_$i.log" 2>&1 \
       || { tail -20 "$OUT/more_$i.log"; exit 1; }
   prev=$S/dspark_$run; i=$((i + 1))
   stamp "dspark stage $stage"
