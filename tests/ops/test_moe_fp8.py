@@ -90,8 +90,14 @@ def test_fp8_aligned_experts_match_dequantised_reference(num_tokens, mode, block
     _check_random_fp8_experts(mt, num_tokens, 4.0, "shared_out", mode=mode, config=cfg)
 
 
-def test_fp8_aligned_rejects_tiles_across_scale_blocks():
+def test_fp8_aligned_rejects_tiles_across_scale_blocks(monkeypatch):
+    """The tile check comes before any launch (on a GPU the alignment kernel ran first, on these CPU tensors)."""
     mt = _moe_triton()
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a kernel was launched before the tile check")
+    monkeypatch.setattr(mt, "moe_align_fwd", launched)
+    monkeypatch.setattr(mt, "moe_align_torch", launched)
     e, d, inter = 2, 256, 128
     (q13, s13) = quantize_fp8_gate_up(torch.randn(e, 2 * inter, d))
     (q2, s2) = quantize_fp8_block(torch.randn(e, d, inter))
