@@ -790,15 +790,17 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         mode = mode or default_mode(num_tokens)
     if mode not in ("direct", "aligned", "hybrid"):
         raise ValueError(f"unknown MoE mode {mode!r}")
-    if fp8:
-        cfg = config or (get_config(num_tokens, "fp8") if mode == "direct" else FP8_ALIGNED_CONFIG)
-        direct_cfg = cfg if mode != "hybrid" or config is not None else get_config(num_tokens, "fp8")
-        # a tile that crosses a scale block is refused here, before any kernel (the alignment too) is launched
+    direct_kind = "fp8" if fp8 else "direct"  # the table of the direct kernels' tiles
+    if config is not None:
+        cfg = config
+    elif mode == "direct":
+        cfg = get_config(num_tokens, direct_kind)
+    else:
+        cfg = FP8_ALIGNED_CONFIG if fp8 else get_config(num_tokens, "aligned")
+    direct_cfg = cfg if mode != "hybrid" or config is not None else get_config(num_tokens, direct_kind)
+    if fp8:  # a tile that crosses a scale block is refused here, before any kernel (the alignment too) is launched
         (_scale_args if mode == "direct" else _aligned_scale_args)(w13_scale, cfg.up)
         (_aligned_scale_args if mode == "aligned" else _scale_args)(w2_scale, direct_cfg.down)
-    else:
-        cfg = config or get_config(num_tokens, "direct" if mode == "direct" else "aligned")
-        direct_cfg = cfg if mode != "hybrid" or config is not None else get_config(num_tokens, "direct")
     if out is None:
         out = _empty((num_tokens, hidden), x.dtype, x.device)
     if num_tokens == 0:
