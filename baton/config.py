@@ -301,6 +301,9 @@ class ServerArgs:
     log_level: str = "info"
     served_model_name: str | None = None
     max_request_bytes: int = 8 * 1024 * 1024
+    shutdown_timeout: float = 5.0  # seconds running requests get after SIGTERM before they are aborted
+    timeout_keep_alive: float = 30.0  # seconds an idle keep-alive connection stays open
+    read_timeout: float = 30.0  # seconds a client has to send a request's headers, and again its body
     enable_fp32_lm_head: bool = False  # keep an fp32 copy of the lm_head (default: the model dtype)
     enable_fp32_router: bool = False  # keep the MoE router gate in fp32 (default: the model dtype)
     enable_fp8_draft_lm_head: bool = False  # drafts' logits from an fp8 copy of the lm_head (the verify's unchanged)

@@ -87,6 +87,8 @@ class Tokenizer:
         self.hf = hf
         self._backend = backend
         self.name_or_path: str = str(name_or_path or getattr(hf, "name_or_path", "") or "")
+        # the directory AutoTokenizer.from_pretrained loads (for a GGUF: the converted copy); /model_info reports it
+        self.model_dir: str | None = os.path.abspath(model_dir) if model_dir is not None else None
         eos: set[int] = set(_as_id_list(hf.eos_token_id))
         if model_dir is not None:
             for fname in ("generation_config.json", "config.json"):

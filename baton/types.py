@@ -15,6 +15,9 @@ class ForwardMode(enum.Enum):
     EXTEND = "extend"  # a draft model replays the accepted prefix with the target's hidden states
 
 
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # the seeds a request may give (vLLM's range; torch takes them all)
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling, with SGLang's field names. ``temperature == 0`` is greedy."""
@@ -46,6 +49,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.seed is not None and not (SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be a 64-bit signed integer, in [{SEED_MIN}, {SEED_MAX}]; got {self.seed}")
 
 
 @dataclass

@@ -358,7 +358,7 @@ def print_result(result: GateResult, out: Any) -> None:
 # ---- command line ----
 def _spec_overrides(spec_args: str) -> dict[str, Any]:
     """The ``--speculative-*`` values of a ``--spec-args`` string (anything else is refused)."""
-    from baton.cli import add_engine_args
+    from baton.args import add_engine_args
 
     parser = argparse.ArgumentParser(prog="--spec-args", add_help=False, exit_on_error=False)
     add_engine_args(parser)
@@ -376,7 +376,7 @@ def _spec_overrides(spec_args: str) -> dict[str, Any]:
 
 def engine_configs(ns: argparse.Namespace) -> tuple[Any, Any]:
     """ServerArgs of config a (no speculation) and b (the engine flags plus ``--spec-args``)."""
-    from baton.cli import server_args_from
+    from baton.args import server_args_from
     from baton.config import SpecConfig
 
     merged = argparse.Namespace(**(vars(ns) | _spec_overrides(ns.spec_args or "")))
@@ -396,7 +396,7 @@ def _factories(ns: argparse.Namespace) -> tuple[GeneratorFactory, GeneratorFacto
 
 
 def add_gate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from baton.cli import add_engine_args
+    from baton.args import add_engine_args
 
     g = p.add_argument_group("servers (instead of in-process engines)")
     g.add_argument("--base-url-a", default=None, help="reference server (plain decoding), e.g. http://127.0.0.1:30000")

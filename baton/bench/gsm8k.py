@@ -193,7 +193,7 @@ def _client(ns: argparse.Namespace) -> Generator:
     if ns.base_url or ns.port:
         url = ns.base_url or f"http://{ns.host}:{ns.port}"
         return NativeClient(url, ns.timeout)
-    from baton.cli import server_args_from
+    from baton.args import server_args_from
 
     return EngineClient.from_args(server_args_from(ns))
 
@@ -230,7 +230,7 @@ def main(ns: argparse.Namespace) -> int:
 
 
 def add_gsm8k_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from baton.cli import add_engine_args
+    from baton.args import add_engine_args
 
     d = p.add_argument_group("data")
     d.add_argument("--data-path", required=True,

@@ -32,6 +32,7 @@ import aiohttp
 import numpy as np
 
 from baton import env
+from baton.plotting import have_matplotlib, missing_message
 
 BACKEND_PATHS = {
     "sglang": "/generate",
@@ -968,6 +969,8 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
         parser = argparse.ArgumentParser(prog="baton bench", description="Benchmark online serving, SGLang-style.")
         args = add_bench_args(parser).parse_args(argv)
     try:
+        if args.plot and not have_matplotlib():
+            raise BenchError(missing_message("--plot"))
         run_benchmark(args)
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)

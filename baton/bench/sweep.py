@@ -422,7 +422,7 @@ def _launcher(ns: argparse.Namespace, configs: list[SweepConfig | None]) -> Laun
 
 
 def _parse_server_args(text: str, host: str) -> Any:
-    from baton.cli import add_engine_args, add_server_args, server_args_from
+    from baton.args import add_engine_args, add_server_args, server_args_from
 
     parser = argparse.ArgumentParser(prog="--server-args", add_help=False)
     add_engine_args(parser)

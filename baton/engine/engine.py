@@ -121,7 +121,10 @@ class Engine:
     def model_info(self) -> dict:
         from baton.tokenizer import ID_TOKENIZER, IdTokenizer
 
-        info = {"model_path": self.model_path, "tokenizer_path": self.tokenizer_path, "is_generation": True,
+        # a directory a client's AutoTokenizer can load (bench_serving needs no --tokenizer): for the embedded or a
+        # GGUF model, the tokenizer baton converted from the GGUF
+        tokenizer_path = getattr(self.tokenizer, "model_dir", None) or self.tokenizer_path
+        info = {"model_path": self.model_path, "tokenizer_path": tokenizer_path, "is_generation": True,
                 "model_type": self.model_config.model_type, "served_model_name": self.served_model_name,
                 "context_length": self.context_length}
         if isinstance(self.tokenizer, IdTokenizer):  # no tokenizer files (dummy weights): text is token ids

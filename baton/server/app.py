@@ -12,8 +12,6 @@ import asyncio
 import hmac
 import json
 import logging
-import signal
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -44,6 +42,7 @@ from baton.server.protocol import (
     completion_chunk,
     completion_response,
     error_body,
+    model_not_found,
     usage_chunk,
     validation_message,
 )
@@ -86,8 +85,8 @@ def _json(obj: Any, status: int = 200) -> Response:
     return Response(content=body, status_code=status, media_type="application/json")
 
 
-def _error(message: str, status: int = 400, param: str | None = None) -> Response:
-    return _json(error_body(message, status, param), status)
+def _error(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> Response:
+    return _json(error_body(message, status, param, code), status)
 
 
 # ---- request parsing and validation ----
@@ -137,7 +136,7 @@ def _max_new_tokens(st: ServerState, value: int | None, param: str, prompt_len: 
 
 def _check_model(st: ServerState, model: str | None) -> None:
     if model is not None and model not in st.accepted_model_names:
-        raise ApiError(f"model {model!r} does not exist; this server serves {st.model_name!r}", param="model")
+        raise model_not_found(model, st.model_name)
 
 
 def _engine_request(
@@ -404,7 +403,7 @@ async def retrieve_model(request: Request) -> Response:
     st = _state(request)
     model = request.path_params["model"]
     if model not in st.accepted_model_names:
-        return _error(f"model {model!r} does not exist; this server serves {st.model_name!r}", 404, "model")
+        raise model_not_found(model, st.model_name)
     return _json(_model_card(st))
 
 
@@ -536,6 +535,7 @@ _ROUTES: list[tuple[str, Callable[[Request], Awaitable[Response]], list[str]]] =
     ("/v1/completions", completions, ["POST"]),
     ("/v1/chat/completions", chat_completions, ["POST"]),
     ("/flush_cache", flush_cache, ["GET", "POST"]),
+    ("/reset_prefix_cache", flush_cache, ["GET", "POST"]),  # vLLM's name for the same
     ("/metrics", metrics, ["GET"]),
     ("/start_profile", start_profile, ["GET", "POST"]),
     ("/stop_profile", stop_profile, ["GET", "POST"]),
@@ -547,7 +547,7 @@ _ROUTES: list[tuple[str, Callable[[Request], Awaitable[Response]], list[str]]] =
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> Response:
-        return _error(exc.message, exc.status, exc.param)
+        return _error(exc.message, exc.status, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
@@ -563,22 +563,27 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(f"internal server error: {type(exc).__name__}", 500)
 
 
-async def _send_error(send: Send, status: int, message: str) -> None:
+async def _send_error(send: Send, status: int, message: str, close: bool = False) -> None:
     body = json.dumps(error_body(message, status)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    if close:
+        headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
 class GuardMiddleware:
-    """Pure ASGI middleware (no per-chunk overhead on streams): API key check and request body size limit."""
+    """Pure ASGI middleware (no per-chunk overhead on streams): the API key check, and the request body read
+    here, whole, before any route runs: at most ``max_request_bytes`` (413) within ``read_timeout`` seconds
+    (408, and the connection is closed). A client that leaves mid-body costs one log line."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int, read_timeout: float) -> None:
         self.app = app
         self.expected_auth = f"Bearer {api_key}".encode() if api_key else None
         self.max_request_bytes = max_request_bytes
+        self.read_timeout = read_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -595,33 +600,47 @@ class GuardMiddleware:
                 await _send_error(send, 400, "invalid Content-Length header")
                 return
             if int(length) > self.max_request_bytes:
-                await _send_error(send, 413, self._too_large())
+                await _send_error(send, 413, self._too_large(), close=True)
                 return
-        elif b"chunked" in headers.get(b"transfer-encoding", b""):
-            receive = await self._buffered(receive)
-            if receive is None:
-                await _send_error(send, 413, self._too_large())
+        if (length is not None and int(length) > 0) or b"chunked" in headers.get(b"transfer-encoding", b""):
+            body = await self._read_body(scope, receive, send)
+            if body is None:
                 return
+            receive = _replay([{"type": "http.request", "body": body, "more_body": False}], receive)
         await self.app(scope, receive, send)
 
     def _too_large(self) -> str:
         return f"request body exceeds the limit of {self.max_request_bytes} bytes (--max-request-bytes)"
 
-    async def _buffered(self, receive: Receive) -> Receive | None:
-        """Read a body of unknown length up front, refusing it past the limit; replay it to the app."""
+    async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> bytes | None:
+        """The whole body, or None when this has already answered (413, 408) or the client has gone."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.read_timeout
         chunks, size = [], 0
         while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return _replay([message], receive)
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:
+                logger.info("%s: the request body did not arrive within %.0f s (--read-timeout); closing",
+                            _client(scope), self.read_timeout)
+                await _send_error(send, 408, f"the request body did not arrive within {self.read_timeout:g} s",
+                                  close=True)
+                return None
+            if message["type"] == "http.disconnect":
+                logger.info("%s: the client disconnected while sending the request body", _client(scope))
+                return None
             size += len(message.get("body", b""))
             if size > self.max_request_bytes:
+                await _send_error(send, 413, self._too_large(), close=True)
                 return None
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
-                return _replay(
-                    [{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive
-                )
+                return b"".join(chunks)
+
+
+def _client(scope: Scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "a client"
 
 
 def _replay(messages: list[Message], receive: Receive) -> Receive:
@@ -653,7 +672,8 @@ def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
         app.add_api_route(path, endpoint, methods=methods)
     _add_error_handlers(app)
     app.add_middleware(
-        GuardMiddleware, api_key=server_args.api_key, max_request_bytes=server_args.max_request_bytes
+        GuardMiddleware, api_key=server_args.api_key, max_request_bytes=server_args.max_request_bytes,
+        read_timeout=server_args.read_timeout,
     )
     return app
 
@@ -666,27 +686,122 @@ def _spec_summary(args: ServerArgs) -> str:
     return f"spec {spec.algorithm} steps={spec.num_steps} draft_tokens={spec.num_draft_tokens}"
 
 
-class _ReadyServer(uvicorn.Server):
-    """uvicorn.Server that prints one ready line once its sockets listen."""
+def timed_http_protocol(read_timeout: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (the one it would pick) with a deadline on a request's head: a connection that
+    sends nothing, or trickles its headers, is closed ``read_timeout`` seconds after it opened or after its
+    first byte following a response (between requests, uvicorn's keep-alive timeout closes an idle one).
+    The body has its own deadline in GuardMiddleware."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
-    def __init__(self, config: uvicorn.Config, model_name: str, spec: str) -> None:
+    class TimedHTTPProtocol(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm_head_timer()
+
+        def data_received(self, data: bytes) -> None:
+            if self._head_timer is None and not self._in_request():
+                self._arm_head_timer()  # the first byte of the next request on a kept-alive connection
+            super().data_received(data)
+            if self._in_request():
+                self._cancel_head_timer()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_head_timer()
+            super().connection_lost(exc)
+
+        def _in_request(self) -> bool:
+            cycle = getattr(self, "cycle", None)
+            return cycle is not None and not cycle.response_complete
+
+        def _arm_head_timer(self) -> None:
+            self._cancel_head_timer()
+            self._head_timer = self.loop.call_later(read_timeout, self._head_timeout)
+
+        def _cancel_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timeout(self) -> None:
+            self._head_timer = None
+            if not self._in_request() and not self.transport.is_closing():
+                client = getattr(self, "client", None)
+                logger.info("%s: no complete request head within %g s (--read-timeout); closing",
+                            f"{client[0]}:{client[1]}" if client else "a client", read_timeout)
+                self.transport.close()
+
+    return TimedHTTPProtocol
+
+
+class BatonServer(uvicorn.Server):
+    """uvicorn.Server with the shutdown operators expect, and one ready line once its sockets listen.
+
+    The first SIGTERM / SIGINT stops accepting (uvicorn closes the listening sockets and idle connections) and
+    gives running requests ``shutdown_timeout`` seconds; then every request left is aborted: queued ones get a
+    503, a running stream a final error chunk and ``[DONE]``. A second signal aborts at once, a third stops
+    waiting for connections. Nothing is re-raised: ``run`` returns and the caller shuts the engine down.
+    """
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float, spec: str) -> None:
         super().__init__(config)
-        self.model_name = model_name
+        self.state = state
+        self.shutdown_timeout = shutdown_timeout
         self.spec = spec
+        self.num_signals = 0
+        self.abort_now = False
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets=sockets)
         if self.started:
             port = self.servers[0].sockets[0].getsockname()[1] if self.servers else self.config.port
             print(
-                f"baton ready: http://{self.config.host}:{port} (model {self.model_name}, {self.spec})",
+                f"baton ready: http://{self.config.host}:{port} (model {self.state.model_name}, {self.spec})",
                 flush=True,
             )
 
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.num_signals += 1
+        if self.num_signals == 1:
+            self.should_exit = True
+        elif self.num_signals == 2:
+            self.abort_now = True
+        else:
+            self.force_exit = True
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        worker = self.state.worker
+        worker.begin_shutdown("server is shutting down")
+        if worker.busy:
+            logger.info("shutting down: running requests get %g s (--shutdown-timeout); a second signal aborts them "
+                        "now", self.shutdown_timeout)
+        drain = asyncio.create_task(self._drain())
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            drain.cancel()
+
+    async def _drain(self) -> None:
+        """Abort what is still queued or running once the grace period is over (or at a second signal)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.shutdown_timeout
+        while self.state.worker.busy and not self.abort_now and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        why = "a second signal" if self.abort_now else f"the {self.shutdown_timeout:g} s grace period"
+        count = self.state.worker.abort_all(f"server is shutting down: request aborted after {why}")
+        if count:
+            logger.warning("shutdown: aborted %d request(s) after %s", count, why)
+
+
+# Past the grace period the aborted requests still need their engine step to end (one forward pass; a long
+# prefill on a CPU takes seconds) before their handlers can answer; uvicorn cancels what is left after this.
+_ABORT_MARGIN_S = 30.0
+
 
 def run_server(server_args: ServerArgs, engine_factory: Callable[[ServerArgs], Any]) -> None:
-    """Build the engine, then serve it with uvicorn on ``server_args.host:port``; Ctrl-C shuts it down
-    gracefully (the engine thread is stopped) and returns."""
+    """Build the engine, then serve it with uvicorn on ``server_args.host:port`` until SIGTERM / SIGINT; shut
+    down as BatonServer says (bounded by ``--shutdown-timeout``), stop the engine thread and return."""
     level = server_args.log_level.lower()
     logging.basicConfig(
         level=level.upper() if level != "trace" else "DEBUG",
@@ -700,25 +815,15 @@ def run_server(server_args: ServerArgs, engine_factory: Callable[[ServerArgs], A
         port=server_args.port,
         log_level=level,
         access_log=level in ("debug", "trace"),
-        timeout_keep_alive=30,
+        http=timed_http_protocol(server_args.read_timeout),
+        timeout_keep_alive=server_args.timeout_keep_alive,
+        timeout_graceful_shutdown=server_args.shutdown_timeout + _ABORT_MARGIN_S,
     )
-    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then re-raises the signal. SIGTERM's default action would
-    # end the process on the spot, before the caller's cleanup (at TP > 1: telling the other ranks to stop, which
-    # otherwise die on a closed connection); here it becomes an exception that returns from run_server.
-    main_thread = threading.current_thread() is threading.main_thread()
-    prev = signal.signal(signal.SIGTERM, _raise_terminated) if main_thread else None
+    state: ServerState = app.state.baton
+    server = BatonServer(config, state, server_args.shutdown_timeout, _spec_summary(server_args))
     try:
-        _ReadyServer(config, app.state.baton.model_name, _spec_summary(server_args)).run()
-    except (KeyboardInterrupt, _Terminated):  # uvicorn re-raises the signal after its graceful shutdown
+        server.run()
+    except KeyboardInterrupt:  # a signal before uvicorn installed its handlers (still starting up)
         pass
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, prev)
-
-
-class _Terminated(Exception):
-    """SIGTERM, after uvicorn's graceful shutdown."""
-
-
-def _raise_terminated(signum: int, frame: Any) -> None:
-    raise _Terminated()
+        state.worker.stop()  # a no-op after the lifespan's own stop; needed when a forced exit skipped it

@@ -23,6 +23,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     500: "server_error",
     503: "server_error",
@@ -32,16 +33,25 @@ ERROR_TYPES = {
 class ApiError(Exception):
     """A request the server refuses; becomes an OpenAI-style error body with this status."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.code = code
 
 
-def error_body(message: str, status: int = 400, param: str | None = None) -> dict[str, Any]:
+def error_body(message: str, status: int = 400, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape. ``code`` is OpenAI's string code where it has one (``model_not_found``), else the
+    HTTP status as vLLM and SGLang give it."""
     err = {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "param": param}
-    return {"object": "error", "error": {**err, "code": status}}
+    return {"object": "error", "error": {**err, "code": code if code is not None else status}}
+
+
+def model_not_found(model: str, served: str) -> ApiError:
+    """404 ``model_not_found``, as OpenAI and vLLM answer for a model they do not serve."""
+    return ApiError(f"The model `{model}` does not exist; this server serves `{served}`", 404, "model",
+                    code="model_not_found")
 
 
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[A-Z]\w*|function-.*)$")

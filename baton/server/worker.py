@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import itertools
 import logging
 import os
@@ -34,8 +35,15 @@ class EngineError(Exception):
         self.status = status
 
 
+def _is_abort(out: StepOutput) -> bool:
+    return (out.finish_reason or {}).get("type") == "abort"
+
+
 def _abort_output(message: str) -> StepOutput:
     return StepOutput(token_ids=[], finished=True, finish_reason={"type": "abort", "message": message})
+
+
+SHUTDOWN_STATUS = 503
 
 
 class Job:
@@ -45,10 +53,15 @@ class Job:
         self.req = req
         self.loop = loop
         self.aborted = False
+        self.shutdown_message: str | None = None  # set when the server's shutdown aborted this request
+        self.answered = False  # the event loop already sent this (queued) request its error
         self._outputs: asyncio.Queue[StepOutput | EngineError] = asyncio.Queue()
 
-    def abort(self) -> None:
-        """Ask the engine to stop this request; a no-op once it has finished."""
+    def abort(self, shutdown_message: str | None = None) -> None:
+        """Ask the engine to stop this request; a no-op once it has finished. With ``shutdown_message`` the
+        request ends with that error (503) instead of an ``abort`` finish."""
+        if shutdown_message is not None and self.shutdown_message is None:
+            self.shutdown_message = shutdown_message
         self.aborted = True
 
     def is_aborted(self) -> bool:
@@ -98,6 +111,8 @@ class EngineWorker:
         self._current: Job | None = None
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._draining: str | None = None  # the shutdown message, once the server stops taking requests
+        self._lock = threading.Lock()  # _current vs. abort_all's view of which jobs are queued
 
     # ---- event-loop side ----
     def start(self) -> None:
@@ -106,14 +121,39 @@ class EngineWorker:
             self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Abort everything queued or running and join the thread."""
+        """Abort everything queued or running and join the thread (at most ``timeout`` seconds: a step that
+        does not end in that time is left to the daemon thread)."""
         self._stopped = True
-        for job in list(self._jobs.values()):
-            job.abort()
+        self.abort_all(self._draining or "server shutting down")
         self._queue.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("the engine thread did not stop within %.0f s; leaving it", timeout)
             self._thread = None
+
+    def begin_shutdown(self, message: str) -> None:
+        """Stop taking requests: from now on a submitted request gets ``message`` as a 503 error. What is
+        queued or running goes on until ``abort_all``."""
+        self._draining = message
+
+    @property
+    def busy(self) -> bool:
+        """A request is queued or running."""
+        return bool(self._jobs)
+
+    def abort_all(self, message: str) -> int:
+        """Shutdown: the running request stops at its next step and ends with ``message`` (a 503 error: a
+        stream's final error chunk); queued requests get it now. Returns how many were aborted."""
+        with self._lock:
+            jobs = list(self._jobs.values())
+            current = self._current
+            for job in jobs:
+                job.abort(message)
+                if job is not current and not job.answered:
+                    job.answered = True
+                    job.push(EngineError(message, SHUTDOWN_STATUS))
+        return len(jobs)
 
     @property
     def is_alive(self) -> bool:
@@ -131,8 +171,8 @@ class EngineWorker:
         """Queue a request; call on the event loop that will consume the job's outputs."""
         self.start()
         job = Job(req, asyncio.get_running_loop())
-        if self._stopped:
-            job.push(_abort_output("server shutting down"))
+        if self._stopped or self._draining is not None:
+            job.push(EngineError(self._draining or "server shutting down", SHUTDOWN_STATUS))
             return job
         self._jobs[req.rid] = job
         self._queue.put(job)
@@ -167,11 +207,13 @@ class EngineWorker:
             try:
                 self._run_job(item)
             finally:
-                self._current = None
-                if self._jobs.get(item.req.rid) is item:
-                    del self._jobs[item.req.rid]
+                with self._lock:
+                    self._current = None
+                    if self._jobs.get(item.req.rid) is item:
+                        del self._jobs[item.req.rid]
         for job in list(self._jobs.values()):
-            job.push(_abort_output("server shutting down"))
+            if not job.answered:
+                job.push(EngineError(self._draining or "server shutting down", SHUTDOWN_STATUS))
 
     def _pin_thread(self) -> None:
         core = env.pin_cpu_core()
@@ -193,11 +235,17 @@ class EngineWorker:
 
     def _run_job(self, job: Job) -> None:
         req = job.req
-        if job.aborted:  # the client left while the request was queued
-            job.push(_abort_output("client disconnected before the request started"))
+        with self._lock:
+            if not job.aborted:
+                self._current = job
+        if job.aborted:  # the client left, or the server is shutting down, while the request was queued
+            if job.shutdown_message is not None:
+                if not job.answered:
+                    job.push(EngineError(job.shutdown_message, SHUTDOWN_STATUS))
+            else:
+                job.push(_abort_output("client disconnected before the request started"))
             self.metrics.observe_request(len(req.input_ids), 0, req.arrival_time, None, None, "abort")
             return
-        self._current = job
         start = time.perf_counter()
         first_token_time: float | None = None
         num_tokens = 0
@@ -208,6 +256,11 @@ class EngineWorker:
                     first_token_time = time.perf_counter()
                 num_tokens += len(out.token_ids)
                 last = out
+                if out.finished and job.shutdown_message is not None and _is_abort(out):
+                    # the shutdown's abort: the text so far, then the error (a stream's final error chunk)
+                    job.push(dataclasses.replace(out, finished=False, finish_reason=None))
+                    job.push(EngineError(job.shutdown_message, SHUTDOWN_STATUS))
+                    break
                 job.push(out)
                 if out.finished:
                     break

@@ -316,7 +316,7 @@ def data_server_args(ns: argparse.Namespace):
     """The target's ServerArgs for data generation: plain decoding, also for the embedded model, whose shipped
     drafts are otherwise on by default (the recipe's data step failed on that, 2026-11-30). None when the command
     line asks for speculation."""
-    from baton.cli import server_args_from
+    from baton.args import server_args_from
     from baton.spec.shipped import DISABLE
 
     requested = ns.speculative_algorithm
@@ -396,6 +396,7 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
     import torch
 
     from baton.models.load import materialize
+    from baton.plotting import can_plot
     from baton.spec.dspark import DSparkDraftModel
     from baton.spec.dspark_ckpt import build_target_layer_ids, load_dspark_weights, read_dspark_config
     from baton.train.calibrate import collect_confidence, fit_sts, greedy_first, plot_reliability, write_sts
@@ -419,7 +420,9 @@ def cmd_calibrate(ns: argparse.Namespace) -> int:
     result = fit_sts(data.z, data.y, data.valid, ns.num_bins)
     output = ns.output or os.path.join(ns.draft, "sts.json")
     write_sts(result, output, mode=ns.mode, num_sequences=len(samples), num_blocks=int(data.z.shape[0]))
-    plot_reliability(data, result, os.path.splitext(output)[0] + "_reliability.png")
+    png = os.path.splitext(output)[0] + "_reliability.png"
+    if can_plot(f"the reliability diagram ({png})"):
+        plot_reliability(data, result, png)
     print(json.dumps({"output": output, **result.to_json()}, indent=1))
     return 0
 
@@ -483,7 +486,7 @@ def _convert(value: str, current: Any) -> Any:
 
 
 def _add_data(tsub: Any) -> None:
-    from baton.cli import add_engine_args
+    from baton.args import add_engine_args
     from baton.train import data
 
     p = tsub.add_parser("data", help="generate training data with the target (prompt/response token ids)",

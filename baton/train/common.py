@@ -27,6 +27,7 @@ from torch import nn
 from tqdm import tqdm
 
 from baton import env
+from baton.plotting import can_plot
 from baton.train.dp import DataParallel, plan_generator
 
 log = logging.getLogger(__name__)
@@ -489,7 +490,8 @@ def write_history(history: History, out_dir: str, title: str, extra: dict[str, A
     with open(os.path.join(out_dir, "metrics.json"), "w") as f:
         json.dump({**(extra or {}), **history.to_dict()}, f, indent=1)
     png = os.path.join(out_dir, "train_curves.png")
-    plot_curves({title: history}, png)
+    if can_plot(f"the training curves ({png})"):
+        plot_curves({title: history}, png)
     return png
 
 

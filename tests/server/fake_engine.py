@@ -89,6 +89,7 @@ class FakeEngine:
 
     # ---- contract ----
     def validate_request(self, req: Request) -> None:
+        req.sampling.validate()
         if not req.input_ids:
             raise ValueError("the prompt is empty")
         if len(req.input_ids) >= self.context_length:

@@ -21,7 +21,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {**OK_COMPLETION, "temperature": "hot"}, "temperature", "temperature"),
     ("/v1/completions", {**OK_COMPLETION, "prompt": 12}, "prompt", "prompt"),
     ("/v1/completions", {"model": "fake-model"}, "prompt", "prompt"),
-    ("/v1/completions", {**OK_COMPLETION, "model": "gpt-4"}, "gpt-4", "model"),
     ("/v1/completions", {**OK_COMPLETION, "max_tokens": -1}, "max_tokens", "max_tokens"),
     ("/v1/completions", {**OK_COMPLETION, "max_tokens": 10**9}, "context length", "max_tokens"),
     ("/v1/completions", {**OK_COMPLETION, "prompt": "x" * 600}, "context length", "prompt"),
@@ -60,7 +59,6 @@ BAD_REQUESTS = [
         "image_url",
         "messages",
     ),
-    ("/v1/chat/completions", {**OK_CHAT, "model": "nope"}, "nope", "model"),
     (
         "/v1/chat/completions",
         {**OK_CHAT, "max_completion_tokens": -5},
@@ -85,6 +83,9 @@ BAD_REQUESTS = [
     ("/generate", {"text": "a", "sampling_params": "hot"}, "sampling_params", "sampling_params"),
     ("/generate", {"text": ["a", "b"], "stream": True}, "single prompt", "stream"),
     ("/generate", {"text": "REJECT me"}, "rejects", None),
+    ("/v1/completions", {**OK_COMPLETION, "seed": 2**63}, "[-9223372036854775808, 9223372036854775807]", None),
+    ("/v1/chat/completions", {**OK_CHAT, "seed": -(2**63) - 1}, "64-bit signed integer", None),
+    ("/generate", {"text": "a", "sampling_params": {"sampling_seed": 2**70}}, "seed must be", None),
 ]
 
 
@@ -111,6 +112,43 @@ def test_bad_request(
     assert err["type"] == "invalid_request_error"
     if param is not None:
         assert err["param"] == param
+
+
+def _assert_error_code(r: httpx.Response, status: int, code: str, words: str = "") -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    assert err["code"] == code and words.lower() in err["message"].lower(), err
+    return err
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {**OK_COMPLETION, "model": "gpt-4"}),
+    ("/v1/chat/completions", {**OK_CHAT, "model": "nope"}),
+    ("/v1/chat/completions", {**OK_CHAT, "model": "nope", "stream": True}),
+])
+def test_unknown_model_is_404_model_not_found(http: httpx.Client, path: str, body: dict) -> None:
+    """OpenAI and vLLM answer 404 with code model_not_found (the openai client raises NotFoundError)."""
+    err = _assert_error_code(http.post(path, json=body), 404, "model_not_found", body["model"])
+    assert err["param"] == "model"
+    _assert_error_code(http.get("/v1/models/gpt-4"), 404, "model_not_found", "gpt-4")
+
+
+def test_unknown_model_through_the_openai_client(oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert info.value.code == "model_not_found"
+
+
+def test_seed_range_is_checked_before_queueing(fake_server, http: httpx.Client) -> None:
+    """A seed torch cannot take is a 400 naming the range, and the engine never sees the request."""
+    before = len(fake_server.engine.started)
+    r = http.post("/v1/completions", json={**OK_COMPLETION, "seed": 2**64, "temperature": 0.7})
+    _assert_error(r, 400, "seed must be a 64-bit signed integer")
+    assert len(fake_server.engine.started) == before
+    for seed in (2**63 - 1, -(2**63), 0):
+        ok = http.post("/v1/completions", json={**OK_COMPLETION, "seed": seed, "temperature": 0.7})
+        assert ok.status_code == 200, ok.text
 
 
 def test_bad_stream_request_fails_before_streaming(http: httpx.Client) -> None:

