@@ -17,7 +17,7 @@ from typing import Any
 import uvicorn
 
 from baton.config import ServerArgs
-from baton.server.app import create_app
+from baton.server.app import create_app, timed_http_protocol
 
 
 @dataclasses.dataclass
@@ -42,7 +42,8 @@ def start_server(
     server_args = dataclasses.replace(server_args, port=sock.getsockname()[1])
     engine = engine_factory(server_args)
     config = uvicorn.Config(
-        create_app(engine, server_args), log_level="warning", lifespan="on", timeout_graceful_shutdown=2
+        create_app(engine, server_args), log_level="warning", lifespan="on", timeout_graceful_shutdown=2,
+        http=timed_http_protocol(server_args.read_timeout), timeout_keep_alive=server_args.timeout_keep_alive,
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

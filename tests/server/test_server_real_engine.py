@@ -100,3 +100,17 @@ def test_bench_reports_every_metric(real_server: RunningServer, tmp_path: Path) 
     assert record["output_throughput"] > 0 and record["mean_e2e_latency_ms"] > 0
     assert record["server_info"]["internal_states"][0]["spec_num_verify_steps"] == 0
     assert (tmp_path / "b.jsonl").read_text().count("\n") == 1
+
+
+def test_model_info_tokenizer_loads_with_auto_tokenizer(real_server: RunningServer) -> None:
+    """An outside client (SGLang's bench_serving) loads /model_info's tokenizer_path with AutoTokenizer, so it needs
+    no --tokenizer: for the embedded model that is the tokenizer directory baton converted from the GGUF."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    info = httpx.get(real_server.url + "/model_info", timeout=30).json()
+    path = info["tokenizer_path"]
+    assert Path(path).is_dir(), info
+    hf = AutoTokenizer.from_pretrained(path)
+    text = "The capital of France is Paris."
+    assert hf.encode(text, add_special_tokens=False) == real_server.engine.tokenizer.encode(text)
