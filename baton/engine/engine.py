@@ -121,19 +121,23 @@ class Engine:
     def model_info(self) -> dict:
         from baton.tokenizer import ID_TOKENIZER, IdTokenizer
 
-        # a directory a client's AutoTokenizer can load (bench_serving needs no --tokenizer): for the embedded or a
-        # GGUF model, the tokenizer baton converted from the GGUF
-        tokenizer_path = getattr(self.tokenizer, "model_dir", None) or self.tokenizer_path
-        info = {"model_path": self.model_path, "tokenizer_path": tokenizer_path, "is_generation": True,
+        info = {"model_path": self.model_path, "tokenizer_path": self.loadable_tokenizer_path, "is_generation": True,
                 "model_type": self.model_config.model_type, "served_model_name": self.served_model_name,
                 "context_length": self.context_length}
         if isinstance(self.tokenizer, IdTokenizer):  # no tokenizer files (dummy weights): text is token ids
             info.update(tokenizer_path=ID_TOKENIZER, vocab_size=self.tokenizer.vocab_size)
         return info
 
+    @property
+    def loadable_tokenizer_path(self) -> str | None:
+        """A directory a client's AutoTokenizer can load, so bench_serving needs no --tokenizer: the model's
+        tokenizer directory, or for the embedded / a GGUF model the tokenizer baton converted from the GGUF."""
+        return getattr(self.tokenizer, "model_dir", None) or self.tokenizer_path
+
     def server_info(self) -> dict:
         args = self.server_args
         info = {k: v for k, v in vars(args).items() if k != "spec"}
+        info["tokenizer_path"] = self.model_info()["tokenizer_path"]
         info.update({f"speculative_{k}": v for k, v in vars(args.spec).items()})
         info.update(device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
                     context_length=self.context_length, avg_spec_accept_length=self.spec_stats.avg_accept_length,

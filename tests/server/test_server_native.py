@@ -172,3 +172,11 @@ def test_health_and_profile(http: httpx.Client) -> None:
     assert http.get("/health_generate").status_code == 200
     assert http.post("/start_profile").status_code == 200
     assert http.post("/stop_profile").status_code == 200
+
+
+def test_reset_prefix_cache_is_flush_cache(fake_server, http: httpx.Client) -> None:
+    """vLLM's /reset_prefix_cache clears the same state as SGLang's /flush_cache."""
+    before = fake_server.engine.flush_count
+    assert http.post("/reset_prefix_cache").status_code == 200
+    assert http.get("/reset_prefix_cache").status_code == 200
+    assert fake_server.engine.flush_count == before + 2

@@ -111,6 +111,7 @@ def test_model_info_tokenizer_loads_with_auto_tokenizer(real_server: RunningServ
     info = httpx.get(real_server.url + "/model_info", timeout=30).json()
     path = info["tokenizer_path"]
     assert Path(path).is_dir(), info
+    assert httpx.get(real_server.url + "/server_info", timeout=30).json()["tokenizer_path"] == path
     hf = AutoTokenizer.from_pretrained(path)
     text = "The capital of France is Paris."
     assert hf.encode(text, add_special_tokens=False) == real_server.engine.tokenizer.encode(text)

@@ -82,3 +82,43 @@ def test_sigterm_stops_a_tp2_server_cleanly(ling_path) -> None:
     rc, err = _serve_then_terminate(["--model-path", ling_path, "--tp-size", "2", "--disable-cuda-graph"])
     assert rc == 0, err
     assert "Traceback" not in err, err
+
+
+def test_sigterm_mid_request_at_tp2_ends_the_stream_and_exits_cleanly(ling_path) -> None:
+    """Bounded shutdown under tensor parallelism: the running request is aborted after --shutdown-timeout (its
+    stream ends with an error chunk and [DONE]), then rank 0 tells rank 1 to stop and both exit."""
+    import json
+    import time
+
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "baton", "serve", "--model-path", ling_path, "--tp-size", "2", "--disable-cuda-graph",
+         "--shutdown-timeout", "1", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE.parent.parent,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    events = []
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("baton ready:"), proc.stderr.read() if proc.poll() is not None else line
+        body = {"input_ids": [1, 2, 3], "stream": True,
+                "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/generate", json=body, timeout=120) as r:
+            for raw in r.iter_lines():
+                if not raw.startswith("data: "):
+                    continue
+                data = raw[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+                if len(events) == 3:
+                    sent = time.monotonic()
+                    proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        exited = time.monotonic()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err, err
+    assert events[-1] == "[DONE]" and "shutting down" in events[-2]["error"]["message"], events[-3:]
+    assert exited - sent < 60, f"{exited - sent:.0f} s from SIGTERM to exit"
