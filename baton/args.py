@@ -31,7 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed for dummy weights and simulated acceptance")
     g.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel ranks: one process per GPU, started by this command; rank 0 serves")
-    g.add_argument("--disable-cuda-graph", action="store_true", help="run the eager path on CUDA")
+    g.add_argument("--disable-cuda-graph", action="store_true",
+                   help="run the step program uncaptured on CUDA (the same bodies, no CUDA graphs; for debugging)")
     g.add_argument("--quantization", default=None, choices=["fp8"],
                    help="fp8: routed experts in fp8 e4m3 with 128x128 block scales (quantised at load from a bf16 "
                         "checkpoint; fp8 checkpoints are detected from their quantization_config)")

@@ -67,10 +67,6 @@ class LlamaConfig:
         if self.head_dim is None and self.hidden_size is not _REQUIRED:
             self.head_dim = self.hidden_size // self.num_attention_heads
 
-    @property
-    def num_layers_with_mtp(self) -> int:
-        return self.num_hidden_layers
-
 
 @dataclass
 class LingConfig:
@@ -163,14 +159,6 @@ class LingConfig:
         if q and list(block) != [128, 128]:
             raise ConfigError(f"fp8 weight_block_size {block} is not supported (128 x 128 is)")
         return bool(q)
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def kda_layer_ids(self) -> list[int]:
-        return [i for i in range(self.num_hidden_layers) if not self.is_mla_layer(i)]
 
     @property
     def mla_layer_ids(self) -> list[int]:

@@ -194,11 +194,6 @@ def destroy_tp(timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
         log.warning("rank %d: tensor-parallel teardown failed: %s", st.rank, errors[0])
 
 
-def set_fast_all_reduce(impl: FastAllReduce | None) -> None:
-    """Register (or clear, with None) the all-reduce used for the messages it ``accepts``."""
-    _STATE.fast_all_reduce = impl
-
-
 # ---- collectives the layers call ----
 
 
@@ -212,14 +207,6 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if fast is not None and fast.accepts(x):
         return fast(x)
     tdist.all_reduce(x, group=s.group)
-    return x
-
-
-def all_reduce_(x: torch.Tensor) -> torch.Tensor:
-    """In-place sum over ranks (no-op at size 1)."""
-    y = all_reduce(x)
-    if y is not x:
-        x.copy_(y)
     return x
 
 

@@ -97,13 +97,6 @@ def use_pdl() -> bool:
     return _get("BATON_PDL", "1") not in ("0", "", "false", "False")
 
 
-def graph_sampling() -> bool:
-    """``BATON_GRAPH_SAMPLING`` (default on; ``0`` sends sampled requests to the eager path): sampled requests
-    (temperature > 0) run on CUDA graphs too (engine/graphs.py). Its H200 tests passed on 2026-11-30 (a seed
-    repeats its tokens on graphs; no blocking device-to-host read in the sampled loop)."""
-    return _get("BATON_GRAPH_SAMPLING", "1") not in ("0", "", "false", "False")
-
-
 def use_fused_attention() -> bool:
     """``BATON_FUSED_ATTENTION`` (default off): decode / verify attention of Llama layers in one Triton kernel
     (RoPE, cache write, split attention and merge; ops/attention/fused_decode.py) instead of three. Its H200 tests

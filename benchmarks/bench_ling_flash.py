@@ -37,7 +37,7 @@ def graph_times(engine, repeats: int = 50) -> dict[str, float]:
     """Median µs of each captured graph of the step, replayed back to back."""
     names = ["draft", "verify", "extend"] if engine.drafter is not None else ["decode"]
     out = {}
-    for name, replay in zip(names, engine.graphs.replays, strict=True):
+    for name, replay in zip(names, engine.program.replays, strict=True):
         times = []
         for _ in range(repeats):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -160,7 +160,6 @@ r)
   fi
   # the report's T 0.7 rows on the sampled graphs (a failure there errors those rows only: bench_drafts goes on)
   setsid nohup env OUT=/tmp/train GSM8K=/tmp/gsm8k GPUS=cuda:0,cuda:1 NUM_PROMPTS=${NUM_PROMPTS:-3000} \
-      BATON_GRAPH_SAMPLING=${BATON_GRAPH_SAMPLING:-1} \
       EPOCHS=${EPOCHS:-2} DATA_BUDGET=${DATA_BUDGET:-240} TRAIN_BUDGET=${TRAIN_BUDGET:-300} MAX_NEW=${MAX_NEW:-320} \
       bash baton/train/recipe_smollm2.sh /tmp/train > /tmp/train/recipe.log 2>&1 < /dev/null &
   if [ "${REUSE_DATA:-0}" != 1 ]; then  # GPU 1 is free while GPU 0 generates the data

@@ -53,8 +53,8 @@ def _prepare(engine, input_len: int, seed: int = 0) -> None:
     ids = torch.randint(0, min(engine.model_config.vocab_size, 32000), (input_len,), generator=gen).tolist()
     req = Request(ids, SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True))
     with torch.inference_mode():
-        anchor, pos = engine._prefill(req, None)
-        engine.graphs.start(anchor, pos)
+        anchor, pos = engine._prefill(req)
+        engine.program.start(anchor, pos)
     torch.cuda.synchronize()
 
 
@@ -64,7 +64,7 @@ def time_steps(engine, num_steps: int) -> list[float]:
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(num_steps)]
     for i in range(num_steps):
         starts[i].record()
-        for replay in engine.graphs.replays:
+        for replay in engine.program.replays:
             replay()
         ends[i].record()
     torch.cuda.synchronize()
@@ -113,7 +113,7 @@ def profile_steps(engine, num_steps: int) -> tuple[dict, float, int]:
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         for _ in range(num_steps):
-            for replay in engine.graphs.replays:
+            for replay in engine.program.replays:
                 replay()
         torch.cuda.synchronize()
     kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
@@ -236,8 +236,8 @@ def draft_head_bytes(head) -> float:
 
 
 def run_census(engine, input_len: int = 8192, num_steps: int = 50, profile_steps_n: int = 10) -> dict:
-    if engine.graphs is None:
-        raise ValueError("census needs the CUDA-graph path (a CUDA device, no --disable-cuda-graph)")
+    if not engine.program.capture:
+        raise ValueError("census needs the captured step program (a CUDA device, no --disable-cuda-graph)")
     _prepare(engine, input_len)
     time_steps(engine, 5)  # warm
     _prepare(engine, input_len)

@@ -1,13 +1,13 @@
-"""The engine: owns the target model, its caches, the drafter and the tokenizer, and runs one request at a
-time through the batch-1 loop: prefill, then repeat {draft, verify, accept, commit, emit}.
-
-This is the eager path (CPU, and CUDA with --disable-cuda-graph); it reads the accept count on the host.
-The CUDA-graph path follows the same stages with the relay keeping every per-step value on the device.
+"""The engine: owns the target model, its caches, the drafter, the step program and the tokenizer, and runs one
+request at a time: an eager prefill, then the step program (engine/step.py) repeats {draft, verify, accept,
+commit, extend} over device-resident values while the host reads each step's tokens one step late and emits
+them. There is one program: captured as CUDA graphs on CUDA, the same bodies uncaptured on the CPU and with
+--disable-cuda-graph.
 
 Under tensor parallelism (baton/engine/tp.py) every rank builds its own Engine on its own GPU and runs the same
 loop on the same requests; greedy choices come from ``model.greedy_tokens`` (an argmax across vocabulary
 shards without gathering the logits), everything else from the gathered logits, so all ranks agree (a DSpark /
-DFlash draft is replicated on every rank; baton/spec/dspark.py says how its one host decision is shared).
+DFlash draft is replicated on every rank; baton/spec/dspark.py says how its prefix decision is shared).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from baton.models.load import load_target
 from baton.models.loader import parse_dtype
 from baton.ops.sampling import logits_to_probs, sample_from_probs
 from baton.spec.base import Drafter
-from baton.spec.verify import Verdict, forced_verdict, greedy_verify, greedy_verify_tokens, rejection_verify
 from baton.types import ForwardMode, Request, SamplingParams, SpecStats, StepOutput
 
 log = logging.getLogger(__name__)
@@ -79,11 +78,10 @@ class Engine:
         self._sim_generator = torch.Generator().manual_seed(args.seed)
         self.last_sequence: list[int] = []  # prompt + generated tokens of the latest request (tests read it)
         self.last_pos = 0  # tokens whose states are committed in the caches
-        self.graphs = None
-        if self.device.type == "cuda" and not args.disable_cuda_graph:
-            from baton.engine.graphs import CudaGraphs
+        from baton.engine.step import StepProgram
 
-            self.graphs = CudaGraphs(self)
+        # the one decode program: captured as CUDA graphs on CUDA, run uncaptured on the CPU / --disable-cuda-graph
+        self.program = StepProgram(self, capture=self.device.type == "cuda" and not args.disable_cuda_graph)
 
     def _apply_precision(self, args: ServerArgs) -> None:
         """Router gate and lm_head run in the model dtype unless the flags keep fp32 copies (made once here)."""
@@ -147,79 +145,41 @@ class Engine:
     def generate(self, req: Request, should_abort: Callable[[], bool] | None = None) -> Iterator[StepOutput]:
         self.validate_request(req)
         with torch.inference_mode():
-            if self.graphs is not None and (req.sampling.is_greedy or env.graph_sampling()):
-                yield from self._generate_graph(req, should_abort or (lambda: False))
-            else:
-                yield from self._generate(req, should_abort or (lambda: False))
+            yield from self._generate(req, should_abort or (lambda: False))
 
     # ---- the loop ----
 
-    def _generate(self, req: Request, should_abort: Callable[[], bool]) -> Iterator[StepOutput]:
-        sp = req.sampling
-        out = OutputTracker(self.tokenizer, sp, self.eos_token_ids)
-        if sp.max_new_tokens == 0:
-            yield StepOutput([], "", True, {"type": "length", "length": 0})
-            return
-        gen = self._generator(sp)
-        anchor, num_prompt = self._prefill(req, gen)
-        num_verify = 0
-        simulated = self.server_args.spec.simulate_accept_len is not None
-        self.last_sequence = list(req.input_ids) + anchor.tolist()
-        yield self._emit(out, anchor.tolist(), num_verify, simulated)
-        pos = num_prompt  # position of the anchor: committed tokens are 0 .. pos-1
-        while not out.finished:
-            self.last_pos = pos
-            if should_abort():
-                e = out.abort()
-                yield StepOutput([], e.text, True, e.finish_reason, num_verify, simulated)
-                return
-            if self.drafter is None:
-                ctx = self.runner.context(ForwardMode.DECODE, pos, 1)
-                anchor = self._pick(self.model(anchor, ctx), sp, gen)
-                pos += 1
-                self.last_sequence += anchor.tolist()
-                yield self._emit(out, anchor.tolist(), num_verify, simulated)
-                continue
-            verdict = self._spec_step(anchor, pos, sp, gen)
-            num_verify += 1
-            a = int(verdict.num_accepted)
-            self.spec_stats.record(a)
-            pos += a + 1
-            anchor = verdict.bonus.reshape(1)
-            new_tokens = verdict.accepted_tokens[: a + 1].tolist()
-            self.last_sequence += new_tokens
-            yield self._emit(out, new_tokens, num_verify, simulated)
-        self.last_pos = pos
-
-    def _prefill(self, req: Request, gen) -> tuple[torch.Tensor, int]:
-        """Eager prefill of the prompt (and the drafter's begin); returns the first token and its position."""
+    def _prefill(self, req: Request) -> tuple[torch.Tensor, int]:
+        """The prompt's forward (eager, host shapes) and the drafter's begin; returns the first token and its
+        position. A sampled first token comes from the default generator (seeded per request)."""
         self.runner.cache.reset()
         prompt = torch.tensor(req.input_ids, dtype=torch.long, device=self.device)
         capture = self.drafter.capture_layer_ids if self.drafter else ()
         ctx = self.runner.context(ForwardMode.PREFILL, 0, prompt.shape[0], capture)
         hidden = self.model(prompt, ctx)
-        anchor = self._pick(hidden[-1:], req.sampling, gen)  # [1]
+        anchor = self._pick(hidden[-1:], req.sampling)  # [1]
         if self.drafter is not None:
             self.drafter.reset()
-            self.drafter.begin(prompt, hidden, ctx.captured, anchor, req.sampling, gen)
+            self.drafter.begin(prompt, hidden, ctx.captured, anchor)
         return anchor, prompt.shape[0]
 
-    def _generate_graph(self, req: Request, should_abort: Callable[[], bool]) -> Iterator[StepOutput]:
-        """Decoding over CUDA graphs (greedy or sampled, see engine/graphs.py) with host run-ahead: step k+1
-        is enqueued before step k's tokens are read (from pinned memory, copied on a side stream), so the GPU
-        never waits for the host."""
+    def _generate(self, req: Request, should_abort: Callable[[], bool]) -> Iterator[StepOutput]:
+        """Prefill, then the step program (engine/step.py) with host run-ahead: step k+1 is enqueued before step
+        k's tokens are read (on CUDA from pinned memory, copied on a side stream), so the GPU never waits for the
+        host."""
         sp = req.sampling
         out = OutputTracker(self.tokenizer, sp, self.eos_token_ids)
         if sp.max_new_tokens == 0:
             yield StepOutput([], "", True, {"type": "length", "length": 0})
             return
+        program = self.program
         sampled = not sp.is_greedy
-        if sampled:  # the sampled graphs (captured at first use, before this request's state exists) read the
-            self.graphs.sampled_replays()  # default generator: seeded here, so a seed repeats the request
+        if sampled:  # the sampled bodies (captured at first use, before this request's state exists) read the
+            program.sampled_replays()  # default generator: seeded here, so a seed repeats the request
             self._seed_default_generator(_request_seed(sp))
-            self.graphs.relay.set_sampling(sp.temperature, sp.top_k, sp.top_p, sp.min_p)
-        anchor, pos = self._prefill(req, None)
-        self.graphs.start(anchor, pos)
+            program.relay.set_sampling(sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+        anchor, pos = self._prefill(req)
+        program.start(anchor, pos)
         first = anchor.tolist()
         self.last_sequence = list(req.input_ids) + first
         simulated = self.server_args.spec.simulate_accept_len is not None
@@ -228,18 +188,18 @@ class Engine:
         spec = self.drafter is not None
         gc_enabled = gc.isenabled()
         gc.disable()  # a collection pause in the loop eats the host's slack
-        sync_check = torch.cuda.set_sync_debug_mode if env.sync_debug() else None
+        sync_check = torch.cuda.set_sync_debug_mode if env.sync_debug() and program.capture else None
         try:
             with _sync_debug(sync_check):
-                self.graphs.step(host_step, sampled)
+                program.step(host_step, sampled)
                 while not out.finished:
                     if should_abort():
                         e = out.abort()
                         yield StepOutput([], e.text, True, e.finish_reason, num_verify, simulated)
                         return
                     host_step += 1
-                    self.graphs.step(host_step, sampled)  # enqueue step k+1 ...
-                    tokens = self.graphs.relay.read(host_step - 1)  # ... then read step k
+                    program.step(host_step, sampled)  # enqueue step k+1 ...
+                    tokens = program.relay.read(host_step - 1)  # ... then read step k
                     if spec:
                         num_verify += 1
                         self.spec_stats.record(len(tokens) - 1)
@@ -250,7 +210,7 @@ class Engine:
                 gc.enable()
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # the step in flight is discarded
-            self.last_pos = int(self.graphs.relay.pos)
+            self.last_pos = int(program.relay.pos)
 
     def _seed_default_generator(self, seed: int) -> None:
         """The generator the graph path samples with: the device's default one (CUDA graph replays read its
@@ -259,33 +219,6 @@ class Engine:
             torch.cuda.manual_seed(seed)
         else:
             torch.manual_seed(seed)
-
-    def _spec_step(self, anchor: torch.Tensor, pos: int, sp: SamplingParams, gen) -> Verdict:
-        """draft -> verify -> accept -> commit -> extend, for the anchor at ``pos``."""
-        draft = self.drafter.draft(anchor, pos, sp, gen)
-        verify_ids = torch.cat([anchor, draft.tokens])
-        ctx = self.runner.context(ForwardMode.VERIFY, pos, verify_ids.shape[0], self.drafter.capture_layer_ids)
-        hidden = self.model(verify_ids, ctx)
-        verdict = self._verify(draft, hidden, sp, gen)
-        self.runner.cache.commit(verdict.num_accepted)
-        self.drafter.extend(verdict.accepted_tokens, hidden, ctx.captured, int(verdict.num_accepted), pos, sp, gen)
-        return verdict
-
-    def _verify(self, draft, hidden: torch.Tensor, sp: SamplingParams, gen) -> Verdict:
-        """The verdict on ``draft`` from the target's verify hidden states [k+1, d]."""
-        sim = self.server_args.spec.simulate_accept_len
-        if sim is None and sp.is_greedy and dist.tp_size() > 1:  # no full logits needed
-            return greedy_verify_tokens(draft.tokens, self.model.greedy_tokens(hidden))
-        logits = self.model.compute_logits(hidden)  # [k+1, V]
-        target_probs = None
-        if not sp.is_greedy:
-            target_probs = logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p)
-        if sim is None:
-            if target_probs is None:
-                return greedy_verify(draft.tokens, logits)
-            return rejection_verify(draft.tokens, draft.probs, target_probs, gen)
-        a = torch.tensor(self._simulated_accept(draft.tokens.shape[0], sim), device=logits.device)
-        return forced_verdict(draft.tokens, a, logits, target_probs, gen)
 
     def simulated_accept_table(self, k: int, length: int = 4096) -> torch.Tensor:
         """The accepted-draft counts the CUDA-graph loop cycles through under simulated acceptance."""
@@ -301,17 +234,12 @@ class Engine:
         u = torch.rand(1, generator=self._sim_generator).item()
         return min(lo + (1 if u < m - lo else 0), k)
 
-    def _pick(self, hidden: torch.Tensor, sp: SamplingParams, gen) -> torch.Tensor:
-        """The next token after each row of ``hidden`` [T, d]: the argmax, or a sample."""
+    def _pick(self, hidden: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+        """The next token after each row of ``hidden`` [T, d]: the argmax, or a sample (default generator)."""
         if sp.is_greedy:
             return self.model.greedy_tokens(hidden)
         logits = self.model.compute_logits(hidden)
-        return sample_from_probs(logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p), gen)
-
-    def _generator(self, sp: SamplingParams) -> torch.Generator | None:
-        if sp.is_greedy:
-            return None
-        return torch.Generator(device=self.device).manual_seed(_request_seed(sp))
+        return sample_from_probs(logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p), None)
 
     def _emit(self, out: OutputTracker, token_ids: list[int], num_verify: int, simulated: bool) -> StepOutput:
         e = out.add(token_ids)

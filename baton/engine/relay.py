@@ -27,6 +27,10 @@ class Relay:
         self.num_accepted = torch.zeros(1, **kw)
         self.accepted_tokens = torch.zeros(t, **kw)  # drafts[:a] then the bonus at index a
         self.draft_tokens = torch.zeros(max(t - 1, 1), **kw)
+        # how many of the k drafts the verify may accept: k, unless the drafter schedules a shorter prefix (DSpark's
+        # confidence rule); rows past it are verified (fixed shapes) and never committed
+        self.num_drafts = torch.full((1,), max(t - 1, 0), **kw)
+        self.max_drafts = max(t - 1, 0)
         self.first_draft = torch.zeros(1, **kw)  # the next round's first draft (from extend)
         self.draft_hidden = torch.zeros(1, hidden_size, dtype=dtype, device=device)
         self.verify_hidden = torch.zeros(t, hidden_size, dtype=dtype, device=device)
@@ -39,7 +43,9 @@ class Relay:
         self.top_k = torch.zeros(1, **kw)
         self.ring_tokens = torch.zeros(RING, t, **kw)  # [slot, token]
         self.ring_count = torch.zeros(RING, **kw)  # tokens committed by the step in that slot
-        self.on_cuda = device.type == "cuda"  # on CPU (tests of the graph program) copies are synchronous
+        self.on_cuda = device.type == "cuda"  # on the CPU copies are synchronous
+        # uncaptured on the CPU, the host reads pos for free and forwards attend only to the filled cache rows
+        self.slice_cache = False
         self.host_tokens = torch.zeros(RING, t, dtype=torch.long, pin_memory=self.on_cuda)
         self.host_count = torch.zeros(RING, dtype=torch.long, pin_memory=self.on_cuda)
         if self.on_cuda:
@@ -52,6 +58,7 @@ class Relay:
         self.anchor.copy_(anchor.reshape(1))
         self.pos.fill_(pos)
         self.step.zero_()
+        self.num_drafts.fill_(self.max_drafts)
 
     def set_sampling(self, temperature: float, top_k: int, top_p: float, min_p: float) -> None:
         """A sampled request's settings into the static tensors its graphs read (copies, no sync)."""
@@ -59,6 +66,11 @@ class Relay:
         self.top_k.fill_(top_k)  # <= 0: off
         self.top_p.fill_(top_p)
         self.min_p.fill_(min_p)
+
+    def kv_len(self, num_rows: int) -> int | None:
+        """Cache rows any forward of this step may read: pos + ``num_rows`` bounds them (pos only grows within a
+        step and extend starts below it), or None (captured, or on CUDA): the whole cache, with a position mask."""
+        return int(self.pos) + num_rows if self.slice_cache else None
 
     # ---- inside graphs ----
 

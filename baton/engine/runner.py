@@ -1,7 +1,7 @@
-"""Forward passes of one model over its own cache, in the five modes (eager path).
+"""Forward passes of one model over its own cache at host-known positions (the prefill, training, tests).
 
-The runner owns the ForwardContext construction: positions are ``start_pos .. start_pos + T - 1`` on the
-model's device. The CUDA-graph runner (engine/graphs.py) replays the same forwards over static buffers.
+The runner owns that ForwardContext construction: positions are ``start_pos .. start_pos + T - 1`` on the
+model's device. Decode steps run in the step program (engine/step.py), whose positions come from the relay.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What one forward pass needs to know besides its input tokens: the mode, the positions, the caches.
 
 Positions live in a device tensor so that a captured CUDA graph can replay with new positions. ``kv_len``
-is a host integer known on the eager path (it lets attention slice the cache); inside a graph it is None
-and attention covers the whole preallocated cache with a position mask instead.
+is a host integer where the host knows it (the prefill; decode steps uncaptured on the CPU): attention slices
+the cache; None (inside a graph, or on CUDA) covers the whole preallocated cache with a position mask instead.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class ForwardContext:
     mode: ForwardMode
     positions: torch.Tensor  # [T] int64, absolute position of each input token
     cache: ModelCache
-    kv_len: int | None = None  # host-known cache length after this forward (eager path only)
+    kv_len: int | None = None  # host-known bound on the cache rows this forward reads (None: the whole cache)
     capture_layer_ids: tuple[int, ...] = ()  # decoder layers whose outputs to keep (DSpark features)
     captured: list[torch.Tensor] = field(default_factory=list)  # filled in layer-id order
     block_causal_len: int | None = None  # DSpark: last this-many queries attend bidirectionally

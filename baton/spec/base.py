@@ -1,19 +1,18 @@
-"""The drafter interface the engine loop drives: begin after prefill, draft a chain, extend after verify."""
+"""The drafter interface the step program drives (engine/step.py): begin after the prefill, then per step a
+draft body and an extend body over the device-resident Relay. Each body runs captured in a CUDA graph or
+uncaptured (the CPU, ``--disable-cuda-graph``): there is one implementation of every drafter."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from baton.ops.sampling import logits_to_probs, sample_from_probs
 from baton.types import SamplingParams
 
-
-@dataclass
-class Draft:
-    tokens: torch.Tensor  # [k] int64: the proposed chain after the anchor
-    probs: torch.Tensor | None  # [k, V] the distributions the tokens were drawn from; None for argmax drafts
+if TYPE_CHECKING:
+    from baton.engine.relay import Relay
 
 
 def pick_tokens(logits: torch.Tensor, sampling: SamplingParams,
@@ -26,27 +25,41 @@ def pick_tokens(logits: torch.Tensor, sampling: SamplingParams,
 
 
 class Drafter:
-    """What a speculative drafter implements. Positions: the anchor (the last committed-but-unverified
-    token, produced by the target) sits at ``anchor_pos``; the chain continues from anchor_pos + 1."""
+    """What a speculative drafter implements. Positions: the anchor (the last committed-but-unverified token,
+    produced by the target) sits at ``relay.pos``; the drafts continue from ``relay.pos + 1``.
 
-    num_draft_tokens: int  # verify window: the anchor plus the drafts
+    Drafts are argmax proposals for every request: the verify treats them as one-hot q, which keeps sampled
+    requests exact (spec/verify.py). A body reads and writes relay tensors only (no host value of this step),
+    so it can be captured."""
+
+    num_draft_tokens: int  # verify window: the anchor plus the drafts (k + 1)
     capture_layer_ids: tuple[int, ...] = ()  # target layers whose outputs the drafter reads
+    feature_dim: int = 0  # width of ``features(captured)`` (relay.verify_features), 0 if none
 
     def reset(self) -> None:
+        """Forget the request (its caches are overwritten by the next one's begin)."""
         raise NotImplementedError
 
     def begin(self, prompt_ids: torch.Tensor, target_hidden: torch.Tensor, captured: list[torch.Tensor],
-              first_token: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> None:
-        """After prefill: the target's hidden states / captured features for the prompt and its first token."""
+              first_token: torch.Tensor) -> None:
+        """After the prefill (eager, host shapes): the target's hidden states and tapped features for the prompt,
+        and its first token (the anchor at ``len(prompt_ids)``)."""
         raise NotImplementedError
 
-    def draft(self, anchor: torch.Tensor, anchor_pos: int, sampling: SamplingParams,
-              generator: torch.Generator | None) -> Draft:
+    def start(self, relay: Relay) -> None:
+        """Load what the first draft needs into the relay (after ``relay.reset``)."""
+
+    def draft(self, relay: Relay, arange: torch.Tensor) -> None:
+        """Write ``relay.draft_tokens`` [k] for the anchor at ``relay.pos`` (and ``relay.num_drafts``, to verify a
+        shorter prefix)."""
         raise NotImplementedError
 
-    def extend(self, accepted_tokens: torch.Tensor, target_hidden: torch.Tensor, captured: list[torch.Tensor],
-               num_accepted: int, anchor_pos: int, sampling: SamplingParams,
-               generator: torch.Generator | None) -> None:
-        """After the verdict: ``accepted_tokens[:a+1]`` are the accepted drafts then the bonus; the target's
-        verify rows ``0..a`` (anchor and accepted drafts) are now committed."""
+    def extend(self, relay: Relay, arange: torch.Tensor) -> None:
+        """After the commit: verify rows 0..``relay.num_accepted`` (``relay.verify_hidden`` /
+        ``relay.verify_features``) are committed at ``relay.extend_pos`` onwards; rows past the accept count may
+        be written too (they land where the next step overwrites them before reading)."""
+        raise NotImplementedError
+
+    def features(self, captured: list[torch.Tensor]) -> torch.Tensor:
+        """The tapped layer outputs of a verify, in the order ``relay.verify_features`` holds them."""
         raise NotImplementedError

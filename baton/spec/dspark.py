@@ -35,8 +35,8 @@ residual stream are all-reduced), so every rank computes the same block. Only th
 vocab-parallel: the base logits U are gathered once a round (``compute_logits``, [gamma, V]) and the Markov
 chain, greedy or sampled, runs on the full rows on every rank; that one gather beats a cross-shard argmax per
 slot, which the chain's slot-to-slot dependency would make gamma collectives in a row. A greedy DFlash block
-needs no full rows (``greedy_tokens``: one gather of each rank's (max, argmax)). The prefix length is the one
-host decision: rank 0's survivals are broadcast, so every rank verifies the same number of drafts.
+needs no full rows (``greedy_tokens``: one gather of each rank's (max, argmax)). The prefix length is decided
+on the device (``prefix_len_device``, no host sync) and rank 0's is broadcast, so every rank accepts alike.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from baton.layers.rope import RotaryEmbedding
 from baton.models.base import CausalLM
 from baton.ops.argmax import markov_greedy
 from baton.ops.attention import attention
-from baton.spec.base import Draft, Drafter, pick_tokens
+from baton.spec.base import Drafter, pick_tokens
 from baton.spec.drafts import check_vocab
 from baton.spec.dspark_ckpt import (
     DSparkDraftConfig,
@@ -116,8 +116,8 @@ class DraftAttention(nn.Module):
         committed context in ``extend``, or by the next block, before anything reads them as context), so every
         block query attends to cache rows 0 .. anchor_pos+B-1: the context plus the whole block, i.e.
         bidirectional inside the block. That is causal attention with each query's visible end at the last
-        block position. ``ctx_len`` (= anchor_pos) slices the cache on the eager path; None (CUDA graphs)
-        covers the whole cache, bounded on the device by the positions."""
+        block position. ``ctx_len`` (= anchor_pos) slices the cache where the host knows it (uncaptured on the
+        CPU); None covers the whole cache, bounded on the device by the positions."""
         b = x.shape[0]
         q = self.q_proj(x).view(b, self.num_heads, self.head_dim)  # [B, Hq, D]
         if self.q_norm is not None:
@@ -306,6 +306,16 @@ def prefix_len(survivals: Sequence[float], table: SpsTable | None) -> int:
     return len(survivals)
 
 
+def prefix_len_device(survivals: torch.Tensor, sps: torch.Tensor) -> torch.Tensor:
+    """``prefix_len`` on the device, with no host value: survivals a [gamma], sps [gamma + 1] = SPS(1..gamma+1)
+    -> the number of drafts to verify, a [] int64 tensor. Draft j is admitted while
+    ``(tau_j + a_j) * SPS(1+j) > tau_j * SPS(j)`` with ``tau_j = 1 + sum_{i<j} a_i``, up to the first failure."""
+    a = survivals.to(sps.dtype)
+    tau = 1.0 + torch.cumsum(a, 0) - a  # 1 + sum_{i<j} a_i
+    admit = (tau + a) * sps[1:] > tau * sps[:-1]
+    return admit.long().cumprod(0).sum()
+
+
 def _read_json(path: str, flag: str) -> dict:
     try:
         with open(path) as f:
@@ -329,7 +339,8 @@ class DSparkDrafter(Drafter):
         self.target, self.model, self.gamma = target, model, gamma
         self.num_draft_tokens = gamma + 1
         self.use_heads = use_heads
-        self.sps_table, self.sts_temperatures = sps_table, sts_temperatures
+        self.sps_table = sps_table
+        self.sts_temperatures = None if sts_temperatures is None else sts_temperatures.to(device)
         self.mask_token_id = cfg.mask_token_id
         # The engine captures in layer order; fc expects the checkpoint's order (which may differ).
         self.capture_layer_ids = tuple(sorted(set(cfg.target_layer_ids)))
@@ -341,77 +352,53 @@ class DSparkDrafter(Drafter):
         self._block_arange = torch.arange(self.block_rows, device=device)
         self.caches = model.make_caches(max_len + self.block_rows, dtype, device)
         self.device = device
-        self.ctx_len = 0  # draft KV holds context for positions 0 .. ctx_len-1
-        self.last_survival: torch.Tensor | None = None  # [gamma] a_k of the last round (DSpark with a table)
+        # SPS(1) .. SPS(gamma + 1) for the device prefix rule (None: verify the whole block)
+        self.sps_values = None if sps_table is None else torch.tensor(
+            [sps_table.sps(n) for n in range(1, gamma + 2)], dtype=torch.float64, device=device)
         self.feature_dim = len(cfg.target_layer_ids) * cfg.hidden_size  # relay buffer for the verify features
         self._mask_ids = torch.full((self.block_rows - 1,), self.mask_token_id, dtype=torch.long, device=device)
 
     def reset(self) -> None:
-        self.ctx_len = 0
-        self.last_survival = None
+        pass  # begin() writes the prompt's context K/V; the positions past it are written before they are read
 
     def features(self, captured: list[torch.Tensor]) -> torch.Tensor:
         """Captured target layer outputs (layer order) -> [T, n*H] in the checkpoint's order for ``fc``."""
         return torch.cat([captured[i] for i in self._feature_order], dim=-1)
 
-    def _append_context(self, captured: list[torch.Tensor], start: int, num: int) -> None:
-        features = self.features([c[:num] for c in captured])  # [num, n*H]
-        positions = torch.arange(start, start + num, device=self.device)
-        self.model.write_context(features, positions, self.caches)
-        self.ctx_len = start + num
-
-    def begin(self, prompt_ids, target_hidden, captured, first_token, sampling, generator) -> None:
+    def begin(self, prompt_ids, target_hidden, captured, first_token) -> None:
         """Prompt positions 0..N-1 go into the draft KV; the first token is the anchor at N."""
-        self._append_context(captured, 0, prompt_ids.shape[0])
+        num = prompt_ids.shape[0]
+        features = self.features([c[:num] for c in captured])  # [N, n*H]
+        self.model.write_context(features, torch.arange(num, device=self.device), self.caches)
 
-    def extend(self, accepted_tokens, target_hidden, captured, num_accepted, anchor_pos, sampling,
-               generator) -> None:
-        """Verify rows 0..num_accepted (anchor and accepted drafts) are committed at anchor_pos onwards."""
-        self._append_context(captured, anchor_pos, num_accepted + 1)
+    # ---- the step bodies (engine/step.py) ----
 
-    def block_hidden(self, anchor: torch.Tensor, anchor_pos: int) -> torch.Tensor:
-        """The backbone over the trained block [anchor, MASK x (B-1)] -> the first gamma slots' hidden states
-        h [gamma, H]."""
-        if anchor_pos != self.ctx_len:
-            raise RuntimeError(f"draft KV covers {self.ctx_len} positions but the anchor is at {anchor_pos}")
-        ids = torch.full((self.block_rows,), self.mask_token_id, dtype=torch.long, device=self.device)  # [B]
-        ids[0] = anchor.reshape(())
-        positions = anchor_pos + self._block_arange
-        return self.model(self.target.embed(ids), positions, self.caches, anchor_pos)[: self.gamma]
+    def block_hidden(self, anchor: torch.Tensor, anchor_pos: torch.Tensor, ctx_len: int | None) -> torch.Tensor:
+        """The backbone over the trained block [anchor, MASK x (B-1)] at ``anchor_pos`` [1] (a device value) -> the
+        first gamma slots' hidden states [gamma, H]. ``ctx_len`` (= the anchor position, where the host knows it)
+        slices the draft cache; None: the whole cache, bounded by the positions."""
+        ids = torch.cat([anchor.reshape(1), self._mask_ids])  # [B]
+        return self.model(self.target.embed(ids), anchor_pos + self._block_arange, self.caches, ctx_len)[: self.gamma]
 
-    def draft(self, anchor, anchor_pos, sampling, generator) -> Draft:
-        h = self.block_hidden(anchor, anchor_pos)
-        if not self.use_heads:  # DFlash: slots are independent given the context; verify the whole block
-            if sampling.is_greedy:
-                return Draft(self.target.greedy_tokens(h, draft=True), None)
-            tokens, probs = pick_tokens(self.target.compute_logits(h, draft=True), sampling, generator)
-            return Draft(tokens, probs)
-        base_logits = self.target.compute_logits(h, draft=True)  # [gamma, V] fp32: U_k (gathered under TP)
-        prop = markov_propose(base_logits, anchor, self.model.markov_head, sampling, generator)
-        num = self.gamma
-        if self.sps_table is not None:
-            a = survival(self.model.confidence_logits(h, prop.prev_emb), self.sts_temperatures)
-            self.last_survival = dist.broadcast(a)  # rank 0's: every rank verifies the same prefix
-            num = prefix_len(self.last_survival.tolist(), self.sps_table)
-        return Draft(prop.tokens[:num], None if prop.probs is None else prop.probs[:num])
-
-
-    # ---- CUDA-graph bodies (engine/graphs.py): greedy, whole-block verify ----
-
-    def graph_start(self, relay) -> None:
-        """Nothing to load: ``begin`` wrote the prompt's context K/V; the anchor and pos are in the relay."""
-
-    def graph_draft(self, relay, arange) -> None:
-        ids = torch.cat([relay.anchor, self._mask_ids])  # [B]: the whole trained block (see __init__)
-        h = self.model(self.target.embed(ids), relay.pos + self._block_arange, self.caches, None)[: self.gamma]
+    def draft(self, relay, arange) -> None:
+        """The backbone over the trained block [anchor, MASK x (B-1)] (see __init__), the first gamma slots' drafts
+        (DSpark: the Markov chain, greedy; DFlash: the argmax of each slot), and with an SPS table the prefix the
+        verify may accept (``relay.num_drafts``, decided on the device)."""
+        h = self.block_hidden(relay.anchor, relay.pos, relay.kv_len(0))
         if not self.use_heads:
             relay.draft_tokens.copy_(self.target.greedy_tokens(h, draft=True))
             return
         base_logits = self.target.compute_logits(h, draft=True)  # [gamma, V] (gathered under TP: one collective)
         head = self.model.markov_head  # the greedy chain in 2 kernels a slot on CUDA (ops/argmax)
-        relay.draft_tokens.copy_(markov_greedy(base_logits, relay.anchor, head.w1.weight, head.w2.weight))
+        tokens = markov_greedy(base_logits, relay.anchor, head.w1.weight, head.w2.weight)
+        relay.draft_tokens.copy_(tokens)
+        if self.sps_values is not None:
+            prev_emb = head.w1(torch.cat([relay.anchor, tokens[:-1]]))  # W1[prev_k]: the anchor, then slot k-1's
+            a = survival(self.model.confidence_logits(h, prev_emb), self.sts_temperatures)
+            num = prefix_len_device(a, self.sps_values)
+            relay.num_drafts.copy_(dist.broadcast(num.reshape(1)))  # rank 0's: every rank accepts the same prefix
 
-    def graph_extend(self, relay, arange) -> None:
+    def extend(self, relay, arange) -> None:
         """Context K/V of every verify row at extend_pos + i; rows past the accept count land at positions the
         next block overwrites before any query reads them as context."""
         self.model.write_context(relay.verify_features, relay.extend_pos + arange, self.caches)
@@ -497,4 +484,5 @@ def build_dspark_drafter(engine: Engine, spec: SpecConfig, max_len: int) -> DSpa
 
 
 __all__ = ["DSparkDraftModel", "DSparkDrafter", "MarkovHead", "SpsTable", "build_dspark_drafter",
-           "load_sts_temperatures", "markov_propose", "prefix_len", "resolve_dspark_spec", "survival"]
+           "load_sts_temperatures", "markov_propose", "prefix_len", "prefix_len_device", "resolve_dspark_spec",
+           "survival"]

@@ -44,13 +44,6 @@ def _abort_after(n: int):
     return lambda: next(calls) >= n
 
 
-def use_graph_program(engine) -> None:
-    """Every rank: run greedy requests through the CUDA-graph program (uncaptured, so it runs on CPU)."""
-    from baton.engine.graphs import CudaGraphs
-
-    engine.graphs = CudaGraphs(engine, capture=False)
-
-
 def sum_ranks(steps: int) -> float:
     """Every rank: ``steps`` all-reduces of its rank + 1, counting progress like an engine inside a request."""
     dist.set_busy(True)

@@ -1,6 +1,6 @@
 """Tensor parallelism end to end on CPU: two gloo ranks give exactly the single-rank tokens, from the same
 checkpoint directory, for Ling (plain, NEXTN, DSpark with its heads and the prefix rule, DFlash, simulated
-acceptance; eager and the CUDA-graph program) and Llama (plain, a NEXTN head), greedy and sampled; an abort
+acceptance; the step program) and Llama (plain, a NEXTN head), greedy and sampled; an abort
 stops both ranks at the same step and the next request still agrees; ``baton generate`` and ``baton serve``
 with ``--tp-size 2`` start the ranks themselves."""
 
@@ -22,7 +22,7 @@ from baton.config import ServerArgs, SpecConfig, load_model_config
 from baton.engine.engine import Engine
 from baton.engine.tp import run_tp
 from baton.spec.dspark_ckpt import write_random_dspark_draft
-from tests.dist.ranks import call_on_all, generate_all, use_graph_program
+from tests.dist.ranks import call_on_all, generate_all
 from tests.spec.test_dspark import _memorise_bigrams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,17 +48,6 @@ def _both(path: str, requests, setup=None, leader=generate_all, **spec):
     got = run_tp(_args(path, 2, **spec), leader, (_copy(requests),), setup=setup, rank0_in_caller=False,
                  timeout_s=60)
     return want, got
-
-
-def eager_then_graph_program(engine, requests):
-    """Rank 0's leader: the requests on the eager path, then (every rank switched) on the graph program."""
-    eager = generate_all(engine, _copy(requests))
-    call_all = getattr(engine, "call_all", None)  # a TPEngine; a single-rank Engine has none
-    if call_all is None:
-        use_graph_program(engine)
-    else:
-        call_all(use_graph_program)
-    return eager, generate_all(engine, _copy(requests))
 
 
 def test_ling_tp2_equals_tp1_greedy_sampled_and_abort(ling_path):
@@ -87,12 +76,11 @@ def test_call_all_runs_on_every_rank_and_the_ranks_stay_in_step(ling_path):
     assert got == want
 
 
-def test_ling_tp2_graph_program_equals_tp1(ling_path, monkeypatch):
-    """Greedy and sampled requests through the graph program (the sampled one draws from each rank's default
-    generator, seeded alike per request; the spawned ranks inherit BATON_GRAPH_SAMPLING)."""
-    monkeypatch.setenv("BATON_GRAPH_SAMPLING", "1")
+def test_ling_tp2_step_program_equals_tp1(ling_path):
+    """Greedy and sampled requests through the step program (the sampled one draws from each rank's default
+    generator, seeded alike per request)."""
     requests = [(PROMPT, {**GREEDY, "max_new_tokens": 27}), (PROMPT[:5], SAMPLED)]
-    want, got = _both(ling_path, requests, setup=use_graph_program, algorithm="NEXTN", num_steps=4)
+    want, got = _both(ling_path, requests, algorithm="NEXTN", num_steps=4)
     assert got == want
 
 
@@ -118,31 +106,30 @@ def ling_drafts(ling_path, tmp_path_factory) -> dict[str, str]:
 BLOCK_REQUESTS = [(PROMPT, GREEDY), (PROMPT[:5], SAMPLED)]
 
 
-def test_ling_tp2_dspark_equals_tp1_eager_and_graph_program(ling_path, ling_drafts):
-    """DSpark with the Markov chain (greedy and sampled over the gathered base logits) and the prefix rule (rank
-    0's survivals), eagerly; then the graph program's whole-block greedy chain, greedy and sampled verify."""
-    want, got = _both(ling_path, BLOCK_REQUESTS, leader=eager_then_graph_program, algorithm="DSPARK",
+def test_ling_tp2_dspark_equals_tp1(ling_path, ling_drafts):
+    """DSpark with the greedy Markov chain over the gathered base logits and the prefix rule decided on the device
+    (rank 0's prefix broadcast), greedy and sampled verify."""
+    want, got = _both(ling_path, BLOCK_REQUESTS, algorithm="DSPARK",
                       draft_model_path=ling_drafts["DSPARK"], dspark_sps_table_path=ling_drafts["sps"],
                       dspark_confidence_sts_path=ling_drafts["sts"])
     assert got == want
-    for tokens, reason, num_verify in (got[0][0], got[1][0]):  # greedy, eager and graph program
-        assert reason == "length" and len(tokens) == 24 and 0 < num_verify < 23  # chains were accepted
+    tokens, reason, num_verify = got[0]  # greedy
+    assert reason == "length" and len(tokens) == 24 and 0 < num_verify < 23  # chains were accepted
 
 
-def test_ling_tp2_dflash_equals_tp1_eager_and_graph_program(ling_path, ling_drafts):
-    want, got = _both(ling_path, BLOCK_REQUESTS, leader=eager_then_graph_program, algorithm="DFLASH",
-                      draft_model_path=ling_drafts["DFLASH"])
+def test_ling_tp2_dflash_equals_tp1(ling_path, ling_drafts):
+    want, got = _both(ling_path, BLOCK_REQUESTS, algorithm="DFLASH", draft_model_path=ling_drafts["DFLASH"])
     assert got == want
-    assert got[0][0][2] > 0 and got[1][0][2] > 0
+    assert got[0][2] > 0 and got[1][2] > 0
 
 
 def test_ling_tp2_dspark_simulated_accept_equals_tp1(ling_path, ling_drafts):
     """Simulated acceptance commits the drafts themselves: the TP=2 chain must be the TP=1 chain."""
-    want, got = _both(ling_path, BLOCK_REQUESTS[:1], leader=eager_then_graph_program, algorithm="DSPARK",
+    want, got = _both(ling_path, BLOCK_REQUESTS[:1], algorithm="DSPARK",
                       draft_model_path=ling_drafts["DSPARK"], simulate_accept_len=3.5)
     assert got == want
-    for tokens, _, num_verify in (got[0][0], got[1][0]):
-        assert num_verify < len(tokens) / 2  # about 3.5 tokens a verify step
+    tokens, _, num_verify = got[0]
+    assert num_verify < len(tokens) / 2  # about 3.5 tokens a verify step
 
 
 def test_llama_tp2_equals_tp1_plain_and_nextn_head(llama_path, llama_nextn_path):

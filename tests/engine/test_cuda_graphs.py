@@ -1,5 +1,6 @@
-"""GPU tests of the fast path: captured graphs replay exactly what the eager path computes (fp32), the decode
-loop performs no blocking device-to-host read, and the model on CUDA matches the CPU reference."""
+"""GPU tests of the fast path: the captured step program replays exactly what the same bodies compute uncaptured
+(fp32), the decode loop performs no blocking device-to-host read, and the model on CUDA matches the CPU
+reference."""
 
 from __future__ import annotations
 
@@ -21,16 +22,16 @@ def cuda_engine(path: str, dtype: str = "float32", graphs: bool = True, **spec) 
 
 
 @pytest.mark.parametrize("spec", [{}, {"algorithm": "NEXTN", "num_steps": 3}])
-def test_graph_replay_equals_eager_ling(ling_path, spec):
+def test_graph_replay_equals_uncaptured_ling(ling_path, spec):
     eager, _ = run(cuda_engine(ling_path, graphs=False, **spec), max_new_tokens=48)
     graphed = cuda_engine(ling_path, **spec)
-    assert graphed.graphs is not None
+    assert graphed.program.capture
     got, _ = run(graphed, max_new_tokens=48)
     assert got == eager
 
 
 @pytest.mark.parametrize("fused", ["0", "1"])
-def test_graph_replay_equals_eager_llama_nextn(llama_path, llama_nextn_path, fused, monkeypatch):
+def test_graph_replay_equals_uncaptured_llama_nextn(llama_path, llama_nextn_path, fused, monkeypatch):
     """With BATON_FUSED_ATTENTION=1 the captured target and draft steps take the one-kernel attention; the eager
     reference is the unfused path either way (fp32: the same tokens)."""
     spec = {"algorithm": "NEXTN", "num_steps": 4, "draft_model_path": llama_nextn_path}
@@ -54,19 +55,17 @@ def test_decode_loop_has_no_blocking_read(ling_path, monkeypatch):
     plain = cuda_engine(ling_path, dtype="bfloat16")
     assert len(run(plain, max_new_tokens=40)[0]) == 40
     # sampled requests run on their own graphs (captured at first use), with no blocking read either
-    monkeypatch.setenv("BATON_GRAPH_SAMPLING", "1")
     assert len(run(engine, max_new_tokens=40, temperature=0.8, top_p=0.9, seed=1)[0]) == 40
     assert len(run(plain, max_new_tokens=40, temperature=0.8, top_k=20, seed=1)[0]) == 40
 
 
 @pytest.mark.parametrize("spec", [{}, {"algorithm": "NEXTN", "num_steps": 3}])
-def test_sampled_requests_run_on_graphs_and_a_seed_repeats_them(ling_path, spec, monkeypatch):
-    monkeypatch.setenv("BATON_GRAPH_SAMPLING", "1")
+def test_sampled_requests_run_on_graphs_and_a_seed_repeats_them(ling_path, spec):
     engine = cuda_engine(ling_path, **spec)
     a, _ = run(engine, max_new_tokens=32, temperature=0.8, top_p=0.9, seed=3)
     b, _ = run(engine, max_new_tokens=32, temperature=0.8, top_p=0.9, seed=3)
     c, _ = run(engine, max_new_tokens=32, temperature=0.8, top_p=0.9, seed=4)
-    assert engine.graphs._sampled_replays is not None
+    assert engine.program._sampled_replays is not None
     assert a == b and len(a) == 32 and a != c
 
 
@@ -97,7 +96,7 @@ def test_gpu_logits_match_cpu_reference():
     assert _rel(bf16, cpu16) < 2e-2  # the kernels add no more than bf16 rounding already does
 
 
-def test_graph_replay_equals_eager_dspark(ling_path, ckpt_root):
+def test_graph_replay_equals_uncaptured_dspark(ling_path, ckpt_root):
     from baton.config import load_model_config
     from baton.spec.dspark_ckpt import write_random_dspark_draft
 
@@ -107,6 +106,31 @@ def test_graph_replay_equals_eager_dspark(ling_path, ckpt_root):
     eager, _ = run(cuda_engine(ling_path, graphs=False, **spec), max_new_tokens=40)
     got, _ = run(cuda_engine(ling_path, **spec), max_new_tokens=40)
     assert got == eager
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_graph_replay_equals_uncaptured_dspark_with_sps(ling_path, ckpt_root, tmp_path, sampled):
+    """DSpark's prefix rule decided on the device inside the captured draft body (greedy and sampled): captured ==
+    uncaptured, and greedy == plain."""
+    import json
+
+    from baton.config import load_model_config
+    from baton.spec.dspark_ckpt import write_random_dspark_draft
+
+    draft = str(ckpt_root / "gpu_dspark_sps")
+    write_random_dspark_draft(load_model_config(ling_path), draft, seed=4, block_size=5, markov_rank=16)
+    sps, sts = tmp_path / "sps.json", tmp_path / "sts.json"
+    sps.write_text(json.dumps({"verify_tokens": list(range(1, 8)), "step_time_ms": [10 * 1.2**i for i in range(7)]}))
+    sts.write_text(json.dumps({"temperatures": [0.3, 0.5, 1.0, 1.0, 2.0]}))
+    spec = {"algorithm": "DSPARK", "draft_model_path": draft, "num_draft_tokens": 6,
+            "dspark_sps_table_path": str(sps), "dspark_confidence_sts_path": str(sts)}
+    sp = {"temperature": 0.8, "top_p": 0.9, "seed": 5} if sampled else {}
+    uncaptured, _ = run(cuda_engine(ling_path, graphs=False, **spec), max_new_tokens=40, **sp)
+    graphed = cuda_engine(ling_path, **spec)
+    got, _ = run(graphed, max_new_tokens=40, **sp)
+    assert got == uncaptured
+    if not sampled:
+        assert got == run(cuda_engine(ling_path), max_new_tokens=40)[0]
 
 
 def _embedded_available() -> bool:

@@ -1,7 +1,7 @@
-"""Sampled requests on the CUDA-graph program, run uncaptured on CPU (``CudaGraphs(capture=False)``, the same
-step bodies the GPU captures): the tensor-parameter logits processing equals the reference, the graph-safe
-sampler draws from the given distribution, a seed repeats a request exactly, and the sampled verify of NEXTN and
-DSpark (argmax drafts, the rejection rule with a one-hot q) leaves the output distribution that of plain sampling."""
+"""Sampled requests on the step program, run uncaptured on CPU (the same step bodies the GPU captures): the
+tensor-parameter logits processing equals the reference, the graph-safe sampler draws from the given
+distribution, a seed repeats a request exactly, and the sampled verify of NEXTN and DSpark (argmax drafts, the
+rejection rule with a one-hot q) leaves the output distribution that of plain sampling."""
 
 from __future__ import annotations
 
@@ -12,14 +12,8 @@ import torch
 
 from baton.config import ServerArgs, SpecConfig
 from baton.engine.engine import Engine
-from baton.engine.graphs import CudaGraphs
 from baton.ops.sampling import logits_to_probs, logits_to_probs_t, sample_from_probs
 from tests.spec.test_spec_core import PROMPT, run
-
-
-@pytest.fixture(autouse=True)
-def graph_sampling(monkeypatch):
-    monkeypatch.setenv("BATON_GRAPH_SAMPLING", "1")
 
 
 def _t(x, dtype=torch.float32):
@@ -45,10 +39,8 @@ def test_graph_safe_sampler_draws_from_the_distribution():
 
 
 def _graph_engine(path: str, **spec) -> Engine:
-    engine = Engine(ServerArgs(model_path=path, device="cpu", dtype="float32", context_length=256,
-                               spec=SpecConfig(**spec)))
-    engine.graphs = CudaGraphs(engine, capture=False)
-    return engine
+    return Engine(ServerArgs(model_path=path, device="cpu", dtype="float32", context_length=256,
+                             spec=SpecConfig(**spec)))
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +64,7 @@ def test_a_seed_repeats_a_sampled_request_on_the_graph_program(ling_path, dspark
     assert a == b and len(a) == 24
     assert a != c
     assert (verify > 0) == bool(spec)
-    assert engine.graphs._sampled_replays is not None  # the sampled program ran, not the eager path
+    assert engine.program._sampled_replays is not None  # the sampled bodies ran
 
 
 SEEDS = 400
@@ -85,9 +77,7 @@ def _distribution(engine) -> Counter:
 
 @pytest.fixture(scope="module")
 def plain_distribution(ling_path) -> Counter:
-    with pytest.MonkeyPatch.context() as mp:  # module scope: the autouse fixture does not reach here
-        mp.setenv("BATON_GRAPH_SAMPLING", "1")
-        return _distribution(_graph_engine(ling_path))
+    return _distribution(_graph_engine(ling_path))
 
 
 @pytest.mark.parametrize("algorithm", ["NEXTN", "DSPARK"])

@@ -8,7 +8,7 @@ import torch
 
 from baton.config import ConfigError, SpecConfig
 from baton.engine.runner import ModelRunner
-from baton.spec.base import Draft, Drafter
+from baton.spec.base import Drafter
 from baton.types import ForwardMode, Request, SamplingParams
 from tests.spec.conftest import make_engine
 
@@ -41,11 +41,14 @@ def test_nextn_greedy_equals_plain_llama(plain, llama_path, llama_nextn_path, st
 
 
 class OracleDrafter(Drafter):
-    """Proposes the target's own greedy continuation: every draft is accepted (the maximum)."""
+    """Proposes the target's own greedy continuation: every draft is accepted (the maximum). It reads ``pos`` on
+    the host, so it runs uncaptured only (the CPU); it stands in for ``like`` (its tapped layers, its features)."""
 
-    def __init__(self, sequence: list[int], k: int) -> None:
+    def __init__(self, sequence: list[int], k: int, like: Drafter) -> None:
         self.sequence, self.num_draft_tokens = sequence, k + 1
         self.k = k
+        self.like = like
+        self.capture_layer_ids, self.feature_dim = like.capture_layer_ids, like.feature_dim
 
     def reset(self) -> None:
         pass
@@ -53,13 +56,16 @@ class OracleDrafter(Drafter):
     def begin(self, *args) -> None:
         pass
 
-    def draft(self, anchor, anchor_pos, sampling, generator) -> Draft:
-        nxt = self.sequence[anchor_pos + 1 : anchor_pos + 1 + self.k]
-        nxt += [0] * (self.k - len(nxt))
-        return Draft(torch.tensor(nxt), None)
+    def draft(self, relay, arange) -> None:
+        pos = int(relay.pos)
+        nxt = self.sequence[pos + 1 : pos + 1 + self.k]
+        relay.draft_tokens.copy_(torch.tensor(nxt + [0] * (self.k - len(nxt))))
 
-    def extend(self, *args) -> None:
+    def extend(self, relay, arange) -> None:
         pass
+
+    def features(self, captured):
+        return self.like.features(captured)
 
 
 @pytest.mark.parametrize("target", ["ling", "llama"])
@@ -68,7 +74,7 @@ def test_oracle_draft_accepts_everything(plain, ling_path, llama_path, llama_nex
     path = ling_path if target == "ling" else llama_path
     extra = {} if target == "ling" else {"draft_model_path": llama_nextn_path}
     engine = make_engine(path, algorithm="NEXTN", num_steps=k, **extra)
-    engine.drafter = OracleDrafter(PROMPT + plain[target], k)
+    engine.drafter = OracleDrafter(PROMPT + plain[target], k, engine.drafter)
     tokens, verify = run(engine)
     assert tokens == plain[target]
     assert engine.spec_stats.accept_histogram.get(k, 0) == verify - 1 or verify * (k + 1) >= len(tokens)
@@ -177,7 +183,7 @@ def test_random_block_draft_greedy_equals_plain(plain, ling_path, llama_path, ra
 def test_oracle_block_draft_accepts_everything(plain, ling_path, random_dspark, gamma):
     engine = make_engine(ling_path, algorithm="DSPARK", draft_model_path=random_dspark["ling"],
                          num_draft_tokens=gamma + 1)
-    engine.drafter = OracleDrafter(PROMPT + plain["ling"], gamma)
+    engine.drafter = OracleDrafter(PROMPT + plain["ling"], gamma, engine.drafter)
     tokens, verify = run(engine)
     assert tokens == plain["ling"]
     assert verify == -(-(len(tokens) - 1) // (gamma + 1))

@@ -123,8 +123,7 @@ def test_packed_forward_matches_serving_blocks(target_path):
         for b, a in enumerate(anchors.tolist()):
             drafter.reset()
             model.write_context(feats.taps[:a], torch.arange(a), drafter.caches)
-            drafter.ctx_len = a
-            h = drafter.block_hidden(ids[a], a)
+            h = drafter.block_hidden(ids[a], torch.tensor([a]), a)
             emb = model.markov_head.w1(ids[a : a + 2])
             torch.testing.assert_close(out.logits[4 * b : 4 * b + 2], frozen.logits(h) + model.markov_head.bias(emb),
                                        rtol=1e-4, atol=1e-4)

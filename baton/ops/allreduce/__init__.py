@@ -52,11 +52,6 @@ class OneShotAllReduce:
         return self._op(buf, x, "sum", self.group_name)
 
 
-def one_shot_all_reduce(x: torch.Tensor, impl: OneShotAllReduce) -> torch.Tensor:
-    """``x`` summed over the ranks of ``impl``'s group (a new tensor)."""
-    return impl(x)
-
-
 def create_one_shot(group, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES) -> OneShotAllReduce | None:
     """The one-shot all-reduce for ``group``, or None (with the reason logged) where symmetric memory does not
     set up: no peer access between the GPUs, a torch without the op, ..."""

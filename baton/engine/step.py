@@ -1,20 +1,24 @@
-"""CUDA graphs for the decode loop: plain decode, or the draft (all draft forwards of a step in one graph),
-verify and extend, captured once at start-up over static buffers (the Relay) and replayed per step. The
-drafter supplies its own graph bodies (``graph_draft`` / ``graph_extend`` / ``graph_start``): NEXTN chains
-and DSpark / DFlash blocks (DSpark verifies the whole block here: the prefix rule needs a host decision).
+"""The decode step program: the only one. Each step is {draft, verify, accept, commit, extend} (or one plain
+decode forward) over device-resident values in the Relay, and the host reads each step's tokens one step late.
 
-Every step-varying value is read from the relay on the device: positions are ``pos + arange``, attention
-covers the whole preallocated cache with a position mask, the accept count indexes the staged KDA state,
-the extend rows and the draft seed. The host therefore never needs a value a step produces to launch the
-next one.
+``StepProgram(engine, capture=True)`` captures the step bodies as CUDA graphs once at start-up and replays them;
+``capture=False`` runs the very same bodies eagerly: on the CPU, and on CUDA with ``--disable-cuda-graph``. The
+drafter supplies its own bodies (``Drafter.start`` / ``draft`` / ``extend``, spec/base.py): NEXTN chains and
+DSpark / DFlash blocks, whose confidence-scheduled prefix rule sets ``relay.num_drafts`` on the device.
 
-Sampled requests (temperature > 0) run here too (``BATON_GRAPH_SAMPLING=0`` sends them to the eager path), on
-a second set of graphs captured at their first use. The decode samples from
-``logits_to_probs_t`` (the request's temperature / top-k / top-p / min-p in relay tensors) with the default
-generator, which the engine seeds per request (graph replays advance its Philox offset, so a seed repeats a
-request exactly); the drafts are still the argmax ones of the greedy bodies (a NEXTN chain, a whole DSpark /
-DFlash block) and the verify is the exact rejection rule with a one-hot q (lossless:
-``spec.verify.rejection_verify``).
+Every step-varying value is read from the relay on the device: positions are ``pos + arange``, attention covers
+the whole preallocated cache with a position mask (uncaptured on the CPU, the host may read ``pos`` for free and
+slices the cache instead: the same result), the accept count indexes the staged KDA state, the extend rows and
+the draft seed. The host therefore never needs a value a step produces to launch the next one.
+
+The verify honours ``relay.num_drafts`` (how many of the k drafts may be accepted; k unless the drafter says
+fewer): the shapes stay fixed at k + 1 rows, rows past the limit are computed and never committed.
+
+Sampled requests (temperature > 0) run on a second set of bodies (captured at their first use). The decode
+samples from ``logits_to_probs_t`` (the request's temperature / top-k / top-p / min-p in relay tensors) with the
+default generator, which the engine seeds per request (graph replays advance its Philox offset, so a seed
+repeats a request exactly); the drafts are the argmax ones of the greedy bodies and the verify is the exact
+rejection rule with a one-hot q (lossless: ``spec.verify.rejection_verify``).
 """
 
 from __future__ import annotations
@@ -31,20 +35,20 @@ from baton.types import ForwardMode
 log = logging.getLogger(__name__)
 
 
-class CudaGraphs:
+class StepProgram:
     def __init__(self, engine, capture: bool = True) -> None:
-        """``capture=False`` runs the same step bodies eagerly: the graph program, testable on CPU."""
+        """``capture``: CUDA graphs (CUDA only); False runs the same bodies eagerly."""
         from baton.engine.relay import Relay
 
         self.engine = engine
         self.model = engine.model
         self.cache = engine.runner.cache
-        self.drafter = engine.drafter
-        self.spec = self.drafter is not None
+        self.spec = engine.drafter is not None
         self.num_verify = engine.num_draft_tokens  # k + 1 (1 for plain decode)
         device = engine.device
         feature_dim = getattr(self.drafter, "feature_dim", 0) if self.spec else 0
         self.relay = Relay(self.num_verify, self.model.config.hidden_size, engine.dtype, device, feature_dim)
+        self.relay.slice_cache = not capture and device.type == "cpu"
         self.arange = torch.arange(self.num_verify, device=device)
         self.one = torch.ones(1, dtype=torch.long, device=device)
         self.sim_table = None  # --speculative-simulate-accept-len: accepted counts, cycled by the step counter
@@ -55,6 +59,12 @@ class CudaGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = self._build(bodies)
         self._sampled_replays = None  # captured on the first sampled request
+
+    @property
+    def drafter(self):
+        """The engine's drafter (read at each body call: an uncaptured program follows a swapped one; captured
+        graphs keep the drafter they were captured with)."""
+        return self.engine.drafter
 
     def _build(self, bodies) -> list:
         if not self.capture:
@@ -72,10 +82,10 @@ class CudaGraphs:
             self._sampled_replays = self._build(bodies)
         return self._sampled_replays
 
-    # ---- the captured bodies ----
+    # ---- the step bodies ----
 
     def _ctx(self, mode: ForwardMode, positions: torch.Tensor, cache) -> ForwardContext:
-        return ForwardContext(mode, positions, cache, kv_len=None)
+        return ForwardContext(mode, positions, cache, kv_len=self.relay.kv_len(positions.shape[0]))
 
     def _decode(self) -> None:
         self._decode_step(self.model.greedy_tokens)
@@ -97,13 +107,13 @@ class CudaGraphs:
         return logits_to_probs_t(self.model.compute_logits(hidden), r.temperature, r.top_k, r.top_p, r.min_p)
 
     def _draft(self) -> None:
-        self.drafter.graph_draft(self.relay, self.arange)
+        self.drafter.draft(self.relay, self.arange)
 
     def _verify_forward(self) -> torch.Tensor:
         """The target over [anchor, drafts] at pos .. pos + k; hidden states (and tapped features) to the relay."""
         r = self.relay
         ids = torch.cat([r.anchor, r.draft_tokens])
-        ctx = ForwardContext(ForwardMode.VERIFY, r.pos + self.arange, self.cache, kv_len=None,
+        ctx = ForwardContext(ForwardMode.VERIFY, r.pos + self.arange, self.cache, kv_len=r.kv_len(ids.shape[0]),
                              capture_layer_ids=self.drafter.capture_layer_ids)
         hidden = self.model(ids, ctx)
         r.verify_hidden.copy_(hidden)
@@ -115,7 +125,7 @@ class CudaGraphs:
         r = self.relay
         predict = self.model.greedy_tokens(self._verify_forward())  # [k+1]: no full logits gathered under TP
         if self.sim_table is None:
-            verdict = greedy_verify_tokens(r.draft_tokens, predict)
+            verdict = greedy_verify_tokens(r.draft_tokens, predict, r.num_drafts)
         else:
             a = self._simulated_accept()
             verdict = verdict_from(r.draft_tokens, a, predict.index_select(0, a)[0])
@@ -127,7 +137,7 @@ class CudaGraphs:
         r = self.relay
         probs = self._probs(self._verify_forward())  # [k+1, V]
         if self.sim_table is None:
-            verdict = rejection_verify(r.draft_tokens, None, probs, None)
+            verdict = rejection_verify(r.draft_tokens, None, probs, None, r.num_drafts)
         else:
             a = self._simulated_accept()
             verdict = verdict_from(r.draft_tokens, a, sample_from_probs(probs.index_select(0, a), None)[0])
@@ -147,7 +157,7 @@ class CudaGraphs:
         r.anchor.copy_(verdict.bonus.reshape(1))
 
     def _extend(self) -> None:
-        self.drafter.graph_extend(self.relay, self.arange)
+        self.drafter.extend(self.relay, self.arange)
 
     # ---- capture and replay ----
 
@@ -166,10 +176,10 @@ class CudaGraphs:
         return graph
 
     def start(self, anchor: torch.Tensor, pos: int) -> None:
-        """Load the relay after an eager prefill (and the drafter's begin)."""
+        """Load the relay after the prefill (and the drafter's begin)."""
         self.relay.reset(anchor, pos)
         if self.spec:
-            self.drafter.graph_start(self.relay)
+            self.drafter.start(self.relay)
 
     def step(self, host_step: int, sampled: bool = False) -> None:
         """Enqueue one decode step and the copy of its committed tokens; returns without waiting."""
