@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import baton.engine.engine as engine_module
+import baton.engine.step as step_module
 from baton.bench.gate import (
     FAIL,
     PASS,
@@ -71,15 +71,15 @@ def test_gate_api_texts_equal(llama_path, llama_nextn_path) -> None:
     assert result.accept_length is not None and result.accept_length >= 1.0
 
 
-def _accept_everything(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
+def _accept_everything(draft_tokens: torch.Tensor, predict: torch.Tensor, limit=None) -> Verdict:
     """A broken verify: every draft is accepted whatever the target says."""
     k = draft_tokens.shape[0]
-    bonus = target_logits[k].argmax(-1)
+    bonus = predict[k]
     return Verdict(torch.tensor(k), bonus, torch.cat([draft_tokens, bonus.reshape(1)]))
 
 
 def test_gate_fails_on_broken_verify(llama_path, llama_nextn_path, monkeypatch) -> None:
-    monkeypatch.setattr(engine_module, "greedy_verify", _accept_everything)
+    monkeypatch.setattr(step_module, "greedy_verify_tokens", _accept_everything)
     out = io.StringIO()
     result = run_gate(lambda: EngineClient(make_engine(llama_path)),
                       lambda: EngineClient(make_engine(llama_path, algorithm="NEXTN", num_steps=3,
