@@ -48,8 +48,8 @@ done
 
 # 3. the 18-layer Ling NEXTN (5, 1, 6) benchmark, each tree's own script (TPOT at simulated accept 3.25)
 has ling && for tree in "$OLD" "$NEW"; do
-  in_tree "$tree" timeout 270 python3 benchmarks/bench_ling_flash.py --num-layers 18 --modes nextn \
-      --num-requests 2 --output-len 512 > "$OUT/ling_$(basename $tree).log" 2>&1
+  in_tree "$tree" timeout 200 python3 benchmarks/bench_ling_flash.py --num-layers 18 --modes nextn \
+      --num-requests 1 --output-len 256 > "$OUT/ling_$(basename $tree).log" 2>&1
   grep -E '^nextn ' "$OUT/ling_$(basename $tree).log" | sed "s/^/$(basename $tree) /" >> "$OUT/ab_ling.txt"
   mv "$OUT"/ling_flash_18l*.json "$OUT/ling_flash_18l_nextn_$(basename $tree).json" 2>/dev/null
 done
