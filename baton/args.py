@@ -33,9 +33,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel ranks: one process per GPU, started by this command; rank 0 serves")
     g.add_argument("--disable-cuda-graph", action="store_true",
                    help="run the step program uncaptured on CUDA (the same bodies, no CUDA graphs; for debugging)")
-    g.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8: routed experts in fp8 e4m3 with 128x128 block scales (quantised at load from a bf16 "
-                        "checkpoint; fp8 checkpoints are detected from their quantization_config)")
+    g.add_argument("--quantization", default=None, choices=["fp8", "fp8-experts"],
+                   help="fp8: routed experts and every dense projection (attention, shared expert, dense MLP, MTP) in "
+                        "fp8 e4m3 with 128x128 block scales, quantised at load from a bf16 checkpoint (fp8 checkpoints "
+                        "are detected from their quantization_config); the lm_head, embeddings and router stay in the "
+                        "model dtype. fp8-experts: the routed experts only")
     g.add_argument("--enable-fp32-lm-head", action="store_true",
                    help="compute logits with an fp32 copy of the lm_head (default: the model dtype)")
     g.add_argument("--enable-fp8-draft-lm-head", action="store_true",

@@ -161,6 +161,14 @@ class LingConfig:
         return bool(q)
 
     @property
+    def fp8_dense(self) -> bool:
+        """The dense projections (KDA, MLA, shared expert, dense MLP, the MTP layer's) in fp8 too, with 128 x 128 block
+        scales: an fp8 checkpoint or ``--quantization fp8``; not under ``--quantization fp8-experts``
+        (``quantization_config["baton_fp8_dense"]`` false). Router, embeddings, lm_head and MLA's kv_b_proj stay in
+        the model dtype."""
+        return self.fp8_experts and bool(self.quantization_config.get("baton_fp8_dense", True))
+
+    @property
     def mla_layer_ids(self) -> list[int]:
         return [i for i in range(self.num_hidden_layers) if self.is_mla_layer(i)]
 
@@ -213,6 +221,9 @@ def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
 
 
 SPEC_ALGORITHMS = ("NEXTN", "EAGLE", "DSPARK", "DFLASH")
+# --quantization: "fp8" = routed experts and dense projections in fp8 (e4m3, 128 x 128 block scales); "fp8-experts" =
+# the routed experts only (dense layers in the model dtype).
+QUANTIZATION_METHODS = ("fp8", "fp8-experts")
 
 
 @dataclass
@@ -295,7 +306,7 @@ class ServerArgs:
     enable_fp32_lm_head: bool = False  # keep an fp32 copy of the lm_head (default: the model dtype)
     enable_fp32_router: bool = False  # keep the MoE router gate in fp32 (default: the model dtype)
     enable_fp8_draft_lm_head: bool = False  # drafts' logits from an fp8 copy of the lm_head (the verify's unchanged)
-    quantization: str | None = None  # "fp8": routed experts in fp8 (quantised at load from a bf16 checkpoint)
+    quantization: str | None = None  # QUANTIZATION_METHODS: "fp8" experts + dense, "fp8-experts" (quantised at load)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     @property

@@ -139,11 +139,11 @@ def run_config(args: argparse.Namespace, label: str, spec: dict[str, Any], test:
                              context_length=args.context_length, seed=args.seed, spec=SpecConfig(**spec))
     t0 = time.perf_counter()
     engine = TimedEngine(Engine(server_args))
-    if args.fp8_target:  # the target's MLP weights through fp8 (in place: captured graphs see the new values)
-        from baton.ops.quant import fake_quantize_mlp_fp8
+    if args.fp8_target:  # the target's MLP (or every dense) weights through fp8 (in place: graphs see the new values)
+        from baton.ops.quant import fake_quantize_dense_fp8, fake_quantize_mlp_fp8
 
-        fake_quantize_mlp_fp8(engine.engine.model)
-        label += " [fp8 target]"
+        (fake_quantize_dense_fp8 if args.fp8_target == "dense" else fake_quantize_mlp_fp8)(engine.engine.model)
+        label += " [fp8 dense target]" if args.fp8_target == "dense" else " [fp8 target]"
     load_s = time.perf_counter() - t0
     client = EngineClient(engine, label)
     rows, runs = [], {}
@@ -159,7 +159,7 @@ def run_config(args: argparse.Namespace, label: str, spec: dict[str, Any], test:
                                1, DEFAULT_STOP, temp)
             stats = engine.spec_stats
             timing = engine.requests
-            row = {"config": label, "fp8_target": bool(args.fp8_target), "algorithm": spec.get("algorithm"),
+            row = {"config": label, "fp8_target": args.fp8_target or False, "algorithm": spec.get("algorithm"),
                    "num_steps": spec.get("num_steps"),
                    "num_draft_tokens": spec.get("num_draft_tokens"), "temperature": temp,
                    "accuracy": result.accuracy, "invalid": result.invalid, "accept_length": result.accept_length,
@@ -238,9 +238,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context-length", type=int, default=None, help="default: the model's")
     p.add_argument("--seed", type=int, default=0, help="question i samples with seed + i (default %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured requests per engine and temperature")
-    p.add_argument("--fp8-target", action="store_true",
+    p.add_argument("--fp8-target", nargs="?", const="mlp", default=None, choices=["mlp", "dense"],
                    help="the target's MLP weights rounded through fp8 e4m3 with 128 x 128 block scales (the dense "
-                        "stand-in for fp8 experts): the drafts' accept length against an fp8 target")
+                        "stand-in for fp8 experts): the drafts' accept length against an fp8 target; 'dense': every "
+                        "dense projection (attention too; the stand-in for --quantization fp8), lm_head excepted")
     p.add_argument("--output-name", default="drafts_gsm8k", help="results file stem (default %(default)s)")
     return p.parse_args(argv)
 
@@ -277,7 +278,8 @@ def main(argv: list[str] | None = None) -> Path:
     md = out.with_suffix(".md")
     head = (f"GSM8K, {len(test)} questions, {args.num_shots}-shot, max {args.max_new_tokens} new tokens, "
             f"{args.device} {args.dtype}{', no CUDA graphs' if args.disable_cuda_graph else ''}"
-            f"{', target MLP weights through fp8' if args.fp8_target else ''}; "
+            f"{', target MLP weights through fp8' if args.fp8_target == 'mlp' else ''}"
+            f"{', every dense target weight through fp8' if args.fp8_target == 'dense' else ''}; "
             f"commit {record['env']['commit']}\n\n")
     md.write_text(head + table)
     print(table)

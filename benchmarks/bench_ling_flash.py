@@ -4,6 +4,7 @@ and 6-token verify step times, the census, and NEXTN (5, 1, 6) TPOT at simulated
 
     python benchmarks/bench_ling_flash.py [--num-layers 18] [--input-len 8192] [--output-len 1024]
     python benchmarks/bench_ling_flash.py --num-layers 42 --quantization fp8     # the whole model on one H200
+    python benchmarks/bench_ling_flash.py ... --quantization fp8-experts         # fp8 experts, bf16 dense layers
     python benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2            # the whole model, bf16, TP2
     python benchmarks/bench_ling_flash.py ... --enable-fp8-draft-lm-head         # drafts' lm_head in fp8
 
@@ -130,8 +131,9 @@ def main() -> None:
     p.add_argument("--num-requests", type=int, default=2)
     p.add_argument("--modes", default="plain,nextn")
     p.add_argument("--tp-size", type=int, default=1, help="ranks (one GPU each); the census is rank 0's")
-    p.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="fp8 experts: the whole 42-layer model (+ MTP) fits one H200 (about 133 GB)")
+    p.add_argument("--quantization", default=None, choices=["fp8", "fp8-experts"],
+                   help="fp8: experts and dense projections in fp8; fp8-experts: the experts only (the whole 42-layer "
+                        "model + MTP fits one H200 either way: about 133 GB with fp8 experts and bf16 dense layers)")
     p.add_argument("--enable-fp8-draft-lm-head", action="store_true",
                    help="NEXTN drafts take their logits from an fp8 copy of the lm_head (the verify's unchanged)")
     args = p.parse_args()
@@ -149,7 +151,8 @@ def main() -> None:
     tp = f"_tp{args.tp_size}" if args.tp_size > 1 else ""
     tp += "_fp8head" if args.enable_fp8_draft_lm_head else ""
     modes = "" if args.modes == "plain,nextn" else "_" + args.modes.replace(",", "-")
-    save(f"ling_flash_{args.num_layers}l{'_fp8' if args.quantization else ''}{tp}{modes}", record)
+    quant = {None: "", "fp8": "_fp8", "fp8-experts": "_fp8experts"}[args.quantization]
+    save(f"ling_flash_{args.num_layers}l{quant}{tp}{modes}", record)
 
 
 if __name__ == "__main__":

@@ -166,7 +166,9 @@ def _bytes_per_expert(experts) -> float:
 
 def step_bytes(engine, input_len: int, num_verify: int, experts_per_layer: float) -> dict[str, float]:
     """Bytes one step must move at least once: weights touched (dense once, each distinct expert once, the
-    lm_head per row set), linear-attention states read and written, the attention cache read."""
+    lm_head per row set), linear-attention states read and written, the attention cache read. Every weight counts
+    its stored bytes: under ``--quantization fp8`` the dense projections' and experts' one byte a weight plus their
+    fp32 block scales (``weight_scale_inv``), the lm_head, router and norms their model dtype."""
     from baton.cache.kv import KVCache, MLACache
     from baton.cache.state import KDAState
     from baton.layers.moe import Experts
@@ -290,7 +292,7 @@ def format_census(result: dict) -> str:
 
 
 def add_census_args(p: argparse.ArgumentParser) -> None:
-    from baton.cli import add_engine_args
+    from baton.args import add_engine_args
 
     add_engine_args(p)
     p.add_argument("--input-len", type=int, default=8192, help="prompt length prefilled before the census")
@@ -300,7 +302,7 @@ def add_census_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(ns: argparse.Namespace) -> int:
-    from baton.cli import server_args_from
+    from baton.args import server_args_from
     from baton.engine.engine import Engine
 
     args = server_args_from(ns)

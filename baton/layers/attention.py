@@ -14,7 +14,6 @@ from baton.layers.linear import FusedLinear, RowParallelLinear, shard_count
 from baton.layers.norm import RMSNorm
 from baton.layers.rope import RotaryEmbedding
 from baton.ops.attention import rope_cache_attention
-from baton.ops.linear import linear
 
 
 class GQAttention(nn.Module):
@@ -36,7 +35,7 @@ class GQAttention(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """``[residual +] o_proj(attention(norm(x)))``."""
         t = x.shape[0]
-        qkv = linear(x, self.qkv_proj.weight, None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
+        qkv = self.qkv_proj.linear(x, None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
         q, k, v = self.qkv_proj.split(qkv)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)

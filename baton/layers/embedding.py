@@ -13,7 +13,7 @@ from torch import nn
 
 from baton import dist
 from baton.config import ConfigError
-from baton.layers.linear import Linear, Shard
+from baton.layers.linear import Linear, Shard, quantized
 
 
 class VocabShard:
@@ -31,8 +31,8 @@ class VocabShard:
     def tp_shards(self) -> dict[str, Shard]:
         return {"weight": Shard(0, self.tp_rank, self.tp_size, self.valid, self.vocab_size)} if self.tp_size > 1 else {}
 
-    def zero_padding(self, weight: torch.Tensor) -> None:
-        if self.valid < self.rows and weight.device.type != "meta":
+    def zero_padding(self, weight: torch.Tensor | None) -> None:
+        if weight is not None and self.valid < self.rows and weight.device.type != "meta":
             with torch.no_grad():
                 weight[self.valid :].zero_()
 
@@ -49,6 +49,9 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         v = self.vocab
+        qweight = quantized(self)  # a GGUF-quantized table (baton.layers.linear.quantize_weight_): fp32 rows
+        if qweight is not None:
+            return qweight.rows(input_ids)
         if v.tp_size == 1:
             return super().forward(input_ids)
         local = input_ids - v.start

@@ -9,6 +9,8 @@ Under tensor parallelism heads are split (``num_attention_heads / tp`` per rank)
 channels, A_log and dt_bias are this rank's heads' (column-parallel), the recurrent and conv states hold only
 those heads, o_norm is shared, and o_proj is row-parallel. With KDA LoRA the small f_a/g_a projections are
 replicated and f_b/g_b are column-parallel.
+
+Under ``--quantization fp8`` every projection (in_proj, f_b/g_b, o_proj) is fp8 with 128 x 128 block scales.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from baton.layers.context import ForwardContext
 from baton.layers.linear import ColumnParallelLinear, FusedLinear, RowParallelLinear, local_shard, shard_count
 from baton.layers.norm import GatedRMSNorm, RMSNorm
 from baton.ops.kda import kda_chunk, kda_gate, kda_recurrent_fused
-from baton.ops.linear import linear
 from baton.ops.short_conv import short_conv, short_conv_update
 from baton.types import ForwardMode
 
@@ -51,19 +52,21 @@ class KimiDeltaAttention(nn.Module):
         self.lower_bound = cfg.kda_lower_bound if cfg.kda_safe_gate else None
         self.use_lora = not cfg.no_kda_lora
         kw = dict(device=device, dtype=dtype)
+        fp8 = cfg.fp8_dense
         gates = [("f_a_proj", k), ("g_a_proj", k)] if self.use_lora else [("f_proj", full), ("g_proj", full)]
         # Everything that reads the normed input, in one projection.
         self.in_proj = FusedLinear(d, [("q_proj", full), ("k_proj", full), ("v_proj", full), *gates,
-                                       ("b_proj", heads)], replicated=("f_a_proj", "g_a_proj"), **kw)
+                                       ("b_proj", heads)], replicated=("f_a_proj", "g_a_proj"), fp8=fp8, **kw)
         if self.use_lora:
-            self.f_b_proj, self.g_b_proj = ColumnParallelLinear(k, full, **kw), ColumnParallelLinear(k, full, **kw)
+            self.f_b_proj = ColumnParallelLinear(k, full, fp8=fp8, **kw)
+            self.g_b_proj = ColumnParallelLinear(k, full, fp8=fp8, **kw)
         gate_width = k if self.use_lora else p
         self._split = [3 * p, gate_width, gate_width, h]  # in_proj output: q|k|v, f, g, b
         self.conv1d = FusedShortConv(p, self.conv_width, **kw)
         self.A_log = nn.Parameter(torch.empty(h, device=device, dtype=torch.float32))
         self.dt_bias = nn.Parameter(torch.empty(p, device=device, dtype=torch.float32))
         self.o_norm = GatedRMSNorm(k, cfg.rms_norm_eps, **kw)
-        self.o_proj = RowParallelLinear(full, d, **kw)
+        self.o_proj = RowParallelLinear(full, d, fp8=fp8, **kw)
         if local_shard(0) is not None:
             self.tp_shards = {"A_log": local_shard(0), "dt_bias": local_shard(0)}
 
@@ -72,10 +75,10 @@ class KimiDeltaAttention(nn.Module):
         """``[residual +] o_proj(gated_norm(kda(norm(x))))``."""
         t, h, k, p = x.shape[0], self.num_heads, self.head_dim, self.proj_dim
         state: KDAState = ctx.cache[self.layer_id]
-        y = linear(x, self.in_proj.weight, None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
+        y = self.in_proj.linear(x, None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
         qkv, f, gate, b = y.split(self._split, dim=-1)
         if self.use_lora:
-            f, gate = linear(f, self.f_b_proj.weight), linear(gate, self.g_b_proj.weight)
+            f, gate = self.f_b_proj.linear(f), self.g_b_proj.linear(gate)
         conv_w = self.conv1d.weight[:, 0, :]  # [3P, W]
         if ctx.mode is ForwardMode.PREFILL:
             o = self._prefill(qkv, f, gate, b, conv_w, state)

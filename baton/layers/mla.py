@@ -7,6 +7,10 @@ which is MQA with one 576-wide key. Both write the same latent cache.
 Under tensor parallelism heads are split: q (or q_b), the head-wise gate and kv_b_proj hold this rank's heads'
 rows, ``dense`` is row-parallel, and the latent path (kv_a_proj_with_mqa, kv_a_layernorm, q_a_proj) is
 replicated, so every rank keeps the same full latent cache.
+
+Under ``--quantization fp8`` in_proj, q_b_proj and ``dense`` are fp8 with 128 x 128 block scales; kv_b_proj stays
+in the model dtype: the absorbed decode reads it per head as W_UK and W_UV (two batched matmuls the fp8 GEMV does not
+cover; 8.4 MB a layer at Ling-3.0-flash's shape, 1% of the dense bytes).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from baton.layers.linear import ColumnParallelLinear, FusedLinear, RowParallelLi
 from baton.layers.norm import RMSNorm
 from baton.layers.rope import RotaryEmbedding
 from baton.ops.attention import attention, rope_and_cache_write
-from baton.ops.linear import linear
 from baton.ops.mla_decode import mla_decode
 from baton.types import ForwardMode
 
@@ -38,16 +41,18 @@ class MLAttention(nn.Module):
         self.scale = self.qk_dim**-0.5
         self.q_lora_rank = cfg.q_lora_rank
         kw = dict(device=device, dtype=dtype)
+        fp8 = cfg.fp8_dense
         q_part = ("q_proj", heads * self.qk_dim) if cfg.q_lora_rank is None else ("q_a_proj", cfg.q_lora_rank)
         # Everything that reads the normed input, in one projection: q (or q_a), kv_a, the head-wise gate.
         self.in_proj = FusedLinear(d, [q_part, ("kv_a_proj_with_mqa", self.kv_lora_rank + self.rope_dim),
-                                       ("g_proj", heads)], replicated=("q_a_proj", "kv_a_proj_with_mqa"), **kw)
+                                       ("g_proj", heads)], replicated=("q_a_proj", "kv_a_proj_with_mqa"), fp8=fp8,
+                                   **kw)
         if cfg.q_lora_rank is not None:
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, **kw)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * self.qk_dim, **kw)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * self.qk_dim, fp8=fp8, **kw)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps, **kw)
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), **kw)
-        self.dense = RowParallelLinear(heads * self.v_dim, d, **kw)
+        self.dense = RowParallelLinear(heads * self.v_dim, d, fp8=fp8, **kw)
         self.rope = rope
 
     def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,10 +63,10 @@ class MLAttention(nn.Module):
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """``[residual +] dense(gate * attention(norm(x)))``."""
         t = x.shape[0]
-        y = linear(x, self.in_proj.weight, None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
+        y = self.in_proj.linear(x, None if norm is None else norm.weight, 1e-6 if norm is None else norm.eps)
         q, kv, gate_logits = self.in_proj.split(y)
         if self.q_lora_rank is not None:
-            q = linear(q, self.q_b_proj.weight, self.q_a_layernorm.weight, self.q_a_layernorm.eps)
+            q = self.q_b_proj.linear(q, self.q_a_layernorm.weight, self.q_a_layernorm.eps)
         q = q.reshape(t, self.num_heads, self.qk_dim)
         c = self.kv_a_layernorm(kv[:, : self.kv_lora_rank])
         cache: MLACache = ctx.cache[self.layer_id]

@@ -78,7 +78,8 @@ class SparseMoE(nn.Module):
         self.shared_experts = None
         if cfg.num_shared_experts:
             inter = cfg.moe_shared_expert_intermediate_size * cfg.num_shared_experts
-            self.shared_experts = MLP(cfg.hidden_size, inter, cfg.shared_swiglu_limit(layer_id), **kw)
+            self.shared_experts = MLP(cfg.hidden_size, inter, cfg.shared_swiglu_limit(layer_id), **kw,
+                                      fp8=cfg.fp8_dense)
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, d] -> router logits [T, E] fp32. The GEMV runs in the gate weight's dtype: the model dtype by

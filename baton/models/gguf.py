@@ -338,15 +338,8 @@ def read_gguf_llama_config(path: str) -> dict[str, Any]:
     return _llama_config(gf.metadata, gf.tensors, path)
 
 
-def read_gguf_llama(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Read a llama-architecture GGUF into ``(config.json dict, state dict)``.
-
-    The state dict uses HF llama names (``model.layers.{i}.self_attn.q_proj.weight`` ...), fp32 tensors in
-    ``[out, in]`` orientation, with q/k rows un-permuted to the HF rotate-half RoPE layout. ``lm_head.weight``
-    is present only when the file has ``output.weight`` (otherwise ``tie_word_embeddings`` is true).
-    """
-    import torch  # here, so metadata-only users (the tokenizer) do not pay for importing it
-
+def _open_llama(path: str) -> tuple[GGUFFile, dict[str, Any], dict[str, tuple[str, tuple[int, ...]]]]:
+    """The file, its config.json dict and GGUF name -> (HF name, shape), with every tensor checked."""
     gf = GGUFFile(path)
     cfg = _llama_config(gf.metadata, gf.tensors, path)
     expected = _expected_llama_tensors(cfg)
@@ -359,16 +352,31 @@ def read_gguf_llama(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
     extra = sorted(set(gf.tensors) - set(expected))
     if extra:
         raise GGUFError(f"{path}: unsupported tensor(s) for a llama model: {', '.join(extra[:8])}")
+    return gf, cfg, expected
 
-    n_heads, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+
+def _unpermute_rows(gname: str, w: np.ndarray, cfg: dict[str, Any]) -> np.ndarray:
+    """HF row order of a GGUF tensor (float values or raw quantized rows: the permutation moves whole rows)."""
+    if ".attn_q." in gname:
+        return unpermute_qk(w, cfg["num_attention_heads"])
+    if ".attn_k." in gname:
+        return unpermute_qk(w, cfg["num_key_value_heads"])
+    return w
+
+
+def read_gguf_llama(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Read a llama-architecture GGUF into ``(config.json dict, state dict)``.
+
+    The state dict uses HF llama names (``model.layers.{i}.self_attn.q_proj.weight`` ...), fp32 tensors in
+    ``[out, in]`` orientation, with q/k rows un-permuted to the HF rotate-half RoPE layout. ``lm_head.weight``
+    is present only when the file has ``output.weight`` (otherwise ``tie_word_embeddings`` is true).
+    """
+    import torch  # here, so metadata-only users (the tokenizer) do not pay for importing it
+
+    gf, cfg, expected = _open_llama(path)
 
     def convert(gname: str) -> tuple[str, torch.Tensor]:
-        w = gf.dequantize(gname)
-        if ".attn_q." in gname:
-            w = unpermute_qk(w, n_heads)
-        elif ".attn_k." in gname:
-            w = unpermute_qk(w, n_kv)
-        return expected[gname][0], torch.from_numpy(w)
+        return expected[gname][0], torch.from_numpy(_unpermute_rows(gname, gf.dequantize(gname), cfg))
 
     # Largest first, so the embedding is not the straggler; numpy releases the GIL in the heavy ops.
     order = sorted(expected, key=lambda n: -gf.tensors[n].n_bytes)
@@ -381,3 +389,38 @@ def read_gguf_llama(path: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
             bar.update(1)
     # Deterministic order: embed, layers, norm, lm_head.
     return cfg, {hname: state[hname] for hname, _ in expected.values()}
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A GGUF tensor kept in its block format: ``raw`` uint8 [rows, row_bytes] (rows in HF order)."""
+
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, int]
+    raw: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [rows, cols], as :meth:`GGUFFile.dequantize` gives it."""
+        import torch
+
+        return torch.from_numpy(np.array(dequantize(self.raw.numpy(), self.ggml_type), dtype=np.float32))
+
+
+def read_gguf_llama_quantized(path: str, keep: tuple[GGMLQuantizationType, ...]) -> tuple[
+        dict[str, Any], dict[str, torch.Tensor], dict[str, QuantizedTensor]]:
+    """Like :func:`read_gguf_llama`, but the 2-D tensors whose type is in ``keep`` are not dequantised: they come
+    back as :class:`QuantizedTensor` (HF name -> raw block rows, q/k rows un-permuted like the float ones).
+    Returns ``(config.json dict, fp32 state dict of the other tensors, quantized tensors)``."""
+    import torch
+
+    gf, cfg, expected = _open_llama(path)
+    dense: dict[str, torch.Tensor] = {}
+    quant: dict[str, QuantizedTensor] = {}
+    for gname, (hname, shape) in expected.items():
+        info = gf.tensors[gname]
+        if info.ggml_type in keep and len(shape) == 2:
+            raw = np.array(_unpermute_rows(gname, gf.raw(gname), cfg), order="C")  # a copy: the file is mmapped
+            quant[hname] = QuantizedTensor(info.ggml_type, shape, torch.from_numpy(raw))
+        else:
+            dense[hname] = torch.from_numpy(_unpermute_rows(gname, gf.dequantize(gname), cfg).copy())
+    return cfg, dense, quant

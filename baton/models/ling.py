@@ -1,6 +1,10 @@
 """Ling-3.0 (BailingMoeV3, ``bailing_hybrid``): KDA and MLA layers interleaved by layer_group_size over an
 MoE with a shared expert (dense MLP for the first layers), plus the MTP / NEXTN layer at index
-num_hidden_layers. ling3-architecture.md in the shared docs is the spec."""
+num_hidden_layers. ling3-architecture.md in the shared docs is the spec.
+
+``--quantization fp8`` (``LingConfig.fp8_dense``): the routed experts and every dense projection (KDA, MLA but its
+kv_b_proj, shared expert, dense MLP, the MTP layer's eh_proj and body) in fp8 e4m3 with 128 x 128 block scales; the
+embeddings, router, norms and lm_head stay in the model dtype. ``fp8-experts``: the routed experts only."""
 
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ class LingDecoderLayer(nn.Module):
         if cfg.is_moe_layer(layer_id):
             self.mlp = SparseMoE(layer_id, cfg, **kw)
         else:
-            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.shared_swiglu_limit(layer_id), **kw)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.shared_swiglu_limit(layer_id), **kw,
+                           fp8=cfg.fp8_dense)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.attention(x, ctx, norm=self.input_layernorm, residual=x)
@@ -71,7 +76,8 @@ class LingForCausalLM(CausalLM):
         if cfg.num_nextn_predict_layers > 0:
             n = cfg.num_hidden_layers
             body = LingDecoderLayer(n, cfg, self.model.rope, force_mla=True, device=device, dtype=dtype)
-            self.mtp = NextNLayer(cfg.hidden_size, cfg.rms_norm_eps, body, device=device, dtype=dtype)
+            self.mtp = NextNLayer(cfg.hidden_size, cfg.rms_norm_eps, body, device=device, dtype=dtype,
+                                  fp8=cfg.fp8_dense)
 
     @property
     def embed_tokens(self) -> nn.Embedding:

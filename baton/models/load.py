@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from baton import dist
+from baton import dist, env
 from baton.config import ConfigError, LingConfig, ModelConfig, ServerArgs, load_model_config, parse_model_config
 from baton.layers.rope import RotaryEmbedding
 from baton.models.base import CausalLM
@@ -88,28 +88,87 @@ def _load_gguf(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> Lo
     from baton.tokenizer import load_tokenizer
 
     gguf_path = find_embedded_gguf() if args.is_embedded else args.model_path
-    cfg_dict, tensors = read_gguf_llama(gguf_path)
-    cfg = parse_model_config(cfg_dict, args.json_model_override_args)
-    model = build_model(cfg, device, dtype)
-    if args.load_format == "dummy":
-        init_dummy(model, cfg, args.seed, dtype)
+    if gguf_quantized_path(args, device):
+        cfg, model = _load_gguf_quantized(gguf_path, args, device, dtype)
     else:
-        load_tensors(model, tensors.items(), total=len(tensors))
+        cfg_dict, tensors = read_gguf_llama(gguf_path)
+        cfg = parse_model_config(cfg_dict, args.json_model_override_args)
+        model = build_model(cfg, device, dtype)
+        if args.load_format == "dummy":
+            init_dummy(model, cfg, args.seed, dtype)
+        else:
+            load_tensors(model, tensors.items(), total=len(tensors))
     name = "embedded" if args.is_embedded else os.path.abspath(gguf_path)
     tokenizer = load_tokenizer(args.tokenizer_path) if args.tokenizer_path else load_tokenizer(gguf_path=gguf_path)
     return LoadedModel(model, cfg, tokenizer, name, args.tokenizer_path or name)
 
 
+def gguf_quantized_path(args: ServerArgs, device: torch.device) -> bool:
+    """Whether a GGUF loads with its Q4_1 / Q8_0 tensors kept quantized (``baton.layers.linear.QuantizedWeight``):
+    with ``BATON_GGUF_QUANT=1`` (env.gguf_cpu_quantized, opt-in for now) on the CPU with ``--dtype auto`` at one
+    rank, real weights. Otherwise, and with ``--dtype float32``, every tensor is dequantised to fp32 (the reference
+    the exactness tests compare against)."""
+    return (env.gguf_cpu_quantized() and device.type == "cpu" and args.dtype == "auto" and dist.tp_size() == 1
+            and args.load_format != "dummy")
+
+
+def _load_gguf_quantized(path: str, args: ServerArgs, device: torch.device, dtype: torch.dtype):
+    """The model with every weight whose checkpoint tensors are all Q4_1 (or all Q8_0) kept in that format, fused
+    parts (q/k/v, gate/up) stacked by rows; the other tensors (norms; any other GGML type) dequantised to ``dtype``.
+    Activations, norms and caches stay in ``dtype`` (fp32)."""
+    from gguf.constants import GGMLQuantizationType as T
+
+    from baton.layers.linear import QuantizedWeight, quantize_weight_
+    from baton.models.gguf import read_gguf_llama_quantized
+    from baton.models.loader import hf_layout
+
+    torch.set_num_threads(env.num_threads())  # the cores this process may use (matmuls and Inductor's kernels)
+    formats = {T.Q4_1: "q4_1", T.Q8_0: "q8_0"}
+    cfg_dict, dense, quant = read_gguf_llama_quantized(path, keep=tuple(formats))
+    cfg = parse_model_config(cfg_dict, args.json_model_override_args)
+    model = build_model(cfg, device, dtype)  # uninitialised storage: the quantized parameters are dropped below
+    layout = hf_layout(model)
+    by_param: dict[str, list[tuple[str, tuple[int, int] | None]]] = {}
+    for hname, slot in layout.items():
+        by_param.setdefault(slot.param, []).append((hname, slot.rows))
+    modules = dict(model.named_modules())
+    kept: set[str] = set()
+    for pname, parts in by_param.items():
+        tensors = [quant.get(h) for h, _ in parts]
+        same_format = all(t is not None for t in tensors) and len({t.ggml_type for t in tensors}) == 1
+        if not (same_format and pname.endswith(".weight")):
+            continue
+        order = sorted(range(len(parts)), key=lambda i: (parts[i][1] or (0, 0))[0])  # fused parts by their rows
+        raw = torch.cat([tensors[i].raw for i in order]) if len(order) > 1 else tensors[0].raw
+        qweight = QuantizedWeight.from_gguf(formats[tensors[0].ggml_type], raw)
+        quantize_weight_(modules[pname[: -len(".weight")]], qweight)
+        kept.add(pname)
+    for hname, t in quant.items():  # a quantized tensor of a parameter that could not stay quantized
+        if layout[hname].param not in kept:
+            dense[hname] = t.dequantize()
+    rest = {h: slot for h, slot in layout.items() if slot.param not in kept}
+    load_tensors(model, dense.items(), total=len(dense), layout=rest)
+    log.info("GGUF weights kept quantized on the CPU: %d matrices (%.0f MB)", len(kept),
+             sum(m.qweight.nbytes for m in model.modules() if "qweight" in m._modules) / 1e6)
+    return cfg, model
+
+
 def _apply_quantization(cfg: ModelConfig, quantization: str | None) -> None:
-    """``--quantization fp8``: routed experts in fp8 e4m3 with 128 x 128 block scales (quantised at load from a
-    bf16 checkpoint, or drawn so for dummy weights); dense layers, router and lm_head stay in the model dtype."""
+    """``--quantization fp8``: routed experts and dense projections in fp8 e4m3 with 128 x 128 block scales
+    (quantised at load from a bf16 checkpoint, or drawn so for dummy weights); ``fp8-experts``: the routed experts
+    only. Router, embeddings and lm_head stay in the model dtype (``LingConfig.fp8_dense`` lists what else does). An
+    fp8 checkpoint's own quantization_config is kept (its block size is checked); only the dense choice is set."""
+    from baton.config import QUANTIZATION_METHODS
+
     if quantization is None:
         return
-    if quantization != "fp8":
-        raise ConfigError(f"--quantization {quantization}: only fp8 is supported")
+    if quantization not in QUANTIZATION_METHODS:
+        raise ConfigError(f"--quantization {quantization}: choose one of {', '.join(QUANTIZATION_METHODS)}")
     if not isinstance(cfg, LingConfig):
-        raise ConfigError("--quantization fp8 quantises MoE experts; this model has none")
-    cfg.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+        raise ConfigError(f"--quantization {quantization} quantises MoE experts; this model has none")
+    q = dict(cfg.quantization_config or {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    q["baton_fp8_dense"] = quantization == "fp8"
+    cfg.quantization_config = q
 
 
 def _ignored_prefixes(cfg: ModelConfig) -> tuple[str, ...]:

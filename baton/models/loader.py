@@ -168,8 +168,11 @@ def load_tensors(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], 
     may also be safetensors slices (``get_slice``), of which only this rank's part is read.
 
     fp8: an fp8 tensor bound for a non-fp8 parameter (the layers an fp8 checkpoint quantises but baton keeps in
-    bf16) is dequantised with its ``weight_scale_inv``; a non-fp8 tensor bound for an fp8 expert parameter
-    (``--quantization fp8`` on a bf16 checkpoint) is quantised here, filling the matching scale slot too."""
+    bf16) is dequantised with its ``weight_scale_inv``; a non-fp8 tensor bound for an fp8 parameter (an expert or a
+    dense projection: ``--quantization fp8`` on a bf16 checkpoint) is quantised here, this rank's part of it on its
+    own, filling the matching scale slot too. An fp8 tensor bound for an fp8 parameter is copied with its scales,
+    unless this rank's part of it does not start and end on a 128 x 128 block (a tensor-parallel shard of a narrow
+    projection): that part is dequantised and quantised again on its own."""
     layout = hf_layout(model) if layout is None else layout
     params = dict(model.named_parameters())
     loader = _Loader(layout, params)
@@ -209,12 +212,15 @@ class _Loader:
         from baton.ops.quant import FP8_DTYPE
 
         dst = self.layout[name].view(self.params)
-        if _is_fp8(tensor) and dst.dtype != FP8_DTYPE and not name.endswith("_scale_inv"):
+        if name.endswith("_scale_inv") and self._requantized(name[: -len("_scale_inv")]):
+            self.scale(name[: -len("_scale_inv")], tensor)  # this rank's scales are made with its part
+            return
+        if _is_fp8(tensor) and (dst.dtype != FP8_DTYPE or self._requantized(name)) and not name.endswith("_scale_inv"):
             if name not in self.scales:
                 self.pending[name] = tensor
                 return
-            tensor = _dequantize(tensor, self.scales.pop(name), dst.dtype)
-        elif dst.dtype == FP8_DTYPE and not _is_fp8(tensor):
+            tensor = _dequantize(tensor, self.scales.pop(name), torch.float32 if dst.dtype == FP8_DTYPE else dst.dtype)
+        if dst.dtype == FP8_DTYPE and not _is_fp8(tensor):
             self._quantize(name, tensor)
             return
         self._copy(name, tensor)
@@ -224,21 +230,39 @@ class _Loader:
         if weight_name in self.pending:
             self.load(weight_name, self.pending.pop(weight_name))
 
+    def _requantized(self, name: str) -> bool:
+        """An fp8 parameter slot whose part of the checkpoint tensor cuts through its 128 x 128 blocks."""
+        from baton.ops.quant import FP8_DTYPE
+        from baton.ops.quant.fp8 import BLOCK
+
+        slot = self.layout.get(name)
+        if slot is None or slot.src is None or self.params[slot.param].dtype != FP8_DTYPE:
+            return False
+        _, start, stop, full = slot.src
+        return start % BLOCK != 0 or (stop % BLOCK != 0 and stop != full)
+
     def _quantize(self, name: str, tensor) -> None:
+        """A non-fp8 checkpoint tensor into an fp8 slot: this rank's part quantised on its own, with its scales."""
         from baton.ops.quant import quantize_fp8_block
 
         scale_name = name + "_scale_inv"
         if scale_name not in self.layout:
             raise CheckpointError(f"tensor {name}: an fp8 parameter without a scale slot {scale_name}")
-        q, s = quantize_fp8_block(_full(tensor))
-        self._copy(name, q)
-        self._copy(scale_name, s)
+        slot = self.layout[name]
+        slot.check_source(name, _shape(tensor))
+        q, s = quantize_fp8_block(_full(slot.take(tensor)))
+        self._place(name, q)
+        self._place(scale_name, s)
 
     def _copy(self, name: str, tensor) -> None:
         slot = self.layout[name]
-        dst = slot.view(self.params)
         slot.check_source(name, _shape(tensor))
-        part = slot.take(tensor)
+        self._place(name, slot.take(tensor))
+
+    def _place(self, name: str, part: torch.Tensor) -> None:
+        """Copy this rank's part of a checkpoint tensor into its slot."""
+        slot = self.layout[name]
+        dst = slot.view(self.params)
         if tuple(part.shape) != tuple(dst.shape):
             what = "" if slot.src is None else " (this rank's part)"
             raise CheckpointError(f"tensor {name}: expected shape {tuple(dst.shape)}{what}, found {tuple(part.shape)}")
@@ -342,20 +366,25 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, full_model: nn.Module | 
         _init_dummy_sliced(model, full_model, seed)
         return
     params = dict(model.named_parameters())
+    layout = hf_layout(model) if any(n.endswith(".weight_scale_inv") for n in params) else {}
     with torch.no_grad():
         for name, p in tqdm(list(model.named_parameters()), desc="dummy weights", unit="tensor",
                             disable=env.disable_progress(), leave=False):
             if p.device.type != "meta":
-                _init_param(name, p, seed, params)
+                _init_param(name, p, seed, params, layout)
 
 
-def _init_param(name: str, p: torch.Tensor, seed: int, params: dict[str, torch.Tensor] | None = None) -> None:
+def _init_param(name: str, p: torch.Tensor, seed: int, params: dict[str, torch.Tensor] | None = None,
+                layout: dict[str, Slot] | None = None, full_layout: dict[str, Slot] | None = None) -> None:
     gen = torch.Generator(device=p.device).manual_seed(_seed_for(seed, name))
     leaf = name.rsplit(".", 1)[-1]
-    if leaf in ("w13_scale", "w2_scale"):
+    if leaf in ("w13_scale", "w2_scale", "weight_scale_inv"):
         return  # filled with their fp8 weights
     if p.dtype == torch.float8_e4m3fn:
-        _init_fp8_experts(name, p, gen, params)
+        if leaf in ("w13", "w2"):
+            _init_fp8_experts(name, p, gen, params)
+        else:
+            _init_fp8_dense(name, p, gen, params, layout, full_layout)
         return
     if name.endswith("norm.weight") or "layernorm" in name or leaf in ("enorm", "hnorm"):
         p.fill_(1.0)
@@ -388,6 +417,40 @@ def _init_fp8_experts(name: str, p: torch.Tensor, gen: torch.Generator, params: 
         scale[e].copy_(s)
 
 
+def _init_fp8_dense(name: str, p: torch.Tensor, gen: torch.Generator, params: dict[str, torch.Tensor],
+                    layout: dict[str, Slot], full_layout: dict[str, Slot] | None = None) -> None:
+    """A dummy fp8 dense weight: drawn in fp32 exactly as the fp32 model's (N(0, 1/fan_in), the same generator),
+    then each checkpoint part quantised as the loader quantises a bf16 checkpoint. ``full_layout``: ``p`` is the
+    single-rank twin's weight (tensor parallelism); this rank's part of each checkpoint part is taken from it and
+    quantised on its own into ``params`` (``layout``: this rank's slots)."""
+    from baton.ops.quant import quantize_fp8_block
+
+    w = torch.empty(p.shape, device=p.device, dtype=torch.float32).normal_(0.0, p.shape[-1] ** -0.5, generator=gen)
+    source = layout if full_layout is None else full_layout
+    for ckpt, slot in _slots_of(source).get(name, []):
+        part = slot.view({name: w})
+        mine = layout[ckpt]
+        q, s = quantize_fp8_block(part if full_layout is None else mine.take(part))
+        mine.view(params).copy_(q)
+        layout[ckpt + "_scale_inv"].view(params).copy_(s)
+
+
+_SLOTS_OF: dict[int, tuple[dict[str, Slot], dict[str, list[tuple[str, Slot]]]]] = {}
+
+
+def _slots_of(layout: dict[str, Slot]) -> dict[str, list[tuple[str, Slot]]]:
+    """Parameter name -> its (checkpoint name, Slot)s, indexed once per layout (dummy fp8 dense weights look theirs
+    up one parameter at a time)."""
+    hit = _SLOTS_OF.get(id(layout))
+    if hit is None or hit[0] is not layout:
+        index: dict[str, list[tuple[str, Slot]]] = {}
+        for ckpt, slot in layout.items():
+            index.setdefault(slot.param, []).append((ckpt, slot))
+        _SLOTS_OF.clear()
+        _SLOTS_OF[id(layout)] = hit = (layout, index)
+    return hit[1]
+
+
 def _init_dummy_sliced(model: nn.Module, full_model: nn.Module, seed: int) -> None:
     layout, full_layout = hf_layout(model), hf_layout(full_model)
     names_of: dict[str, list[str]] = {}
@@ -399,8 +462,12 @@ def _init_dummy_sliced(model: nn.Module, full_model: nn.Module, seed: int) -> No
         full_params = dict(full_model.named_parameters())
         for name, p in tqdm(list(full_params.items()), desc="dummy weights", unit="tensor",
                             disable=env.disable_progress(), leave=False):
-            if name.endswith(("w13_scale", "w2_scale")):
+            if name.endswith(("w13_scale", "w2_scale", "weight_scale_inv")):
                 continue  # drawn with their fp8 weights
+            if p.dtype == torch.float8_e4m3fn and not name.endswith(("w13", "w2")):  # fp8 dense: quantised per rank
+                _init_param(name, torch.empty(p.shape, dtype=p.dtype, device=device), seed, params, layout,
+                            full_layout)
+                continue
             fulls = {name: torch.empty(p.shape, dtype=p.dtype, device=device)}
             if name + "_scale" in full_params:  # fp8 experts: the weight and its block scales together
                 scale = full_params[name + "_scale"]

@@ -16,12 +16,15 @@ from baton.layers.norm import RMSNorm
 
 
 class NextNLayer(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, body: nn.Module, device=None, dtype=None) -> None:
+    def __init__(self, hidden_size: int, eps: float, body: nn.Module, device=None, dtype=None,
+                 fp8: bool = False) -> None:
+        """``fp8``: eh_proj in fp8 with 128 x 128 block scales (Ling under ``--quantization fp8``; the body is built
+        by the caller)."""
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.enorm = RMSNorm(hidden_size, eps, **kw)
         self.hnorm = RMSNorm(hidden_size, eps, **kw)
-        self.eh_proj = Linear(2 * hidden_size, hidden_size, **kw)
+        self.eh_proj = Linear(2 * hidden_size, hidden_size, fp8=fp8, **kw)
         self.body = body
         self.final_layernorm = RMSNorm(hidden_size, eps, **kw)
 

@@ -4,13 +4,19 @@ from baton.ops.quant.fp8 import (
     FP8_DTYPE,
     dequantize_fp8_block,
     dequantize_fp8_gate_up,
+    dequantize_fp8_rows,
+    fake_quantize_dense_fp8,
     fake_quantize_mlp_fp8,
+    part_blocks,
     quantize_fp8_block,
     quantize_fp8_gate_up,
+    quantize_fp8_parts,
+    row_block_map,
     scale_shape,
 )
 
 __all__ = [
-    "FP8_DTYPE", "dequantize_fp8_block", "dequantize_fp8_gate_up", "fake_quantize_mlp_fp8", "quantize_fp8_block",
-    "quantize_fp8_gate_up", "scale_shape",
+    "FP8_DTYPE", "dequantize_fp8_block", "dequantize_fp8_gate_up", "dequantize_fp8_rows", "fake_quantize_dense_fp8",
+    "fake_quantize_mlp_fp8", "part_blocks", "quantize_fp8_block", "quantize_fp8_gate_up", "quantize_fp8_parts",
+    "row_block_map", "scale_shape",
 ]

@@ -75,8 +75,87 @@ def fake_quantize_mlp_fp8(model: torch.nn.Module, block: int = BLOCK) -> int:
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, MLP):
-                w13, w2 = m.gate_up_proj.weight.data, m.down_proj.weight.data
+                w13, w2 = _float_weight(m.gate_up_proj), _float_weight(m.down_proj)
                 w13.copy_(dequantize_fp8_gate_up(*quantize_fp8_gate_up(w13, block), w13.dtype, block))
                 w2.copy_(dequantize_fp8_block(*quantize_fp8_block(w2, block), w2.dtype, block))
                 changed += 3  # gate, up, down
     return changed
+
+
+def part_blocks(rows: list[int], block: int = BLOCK) -> int:
+    """Scale rows of a fused weight whose row parts (``rows``, each a checkpoint tensor) are quantised each on
+    its own: ``sum(ceil(r / block))``."""
+    return sum(math.ceil(r / block) for r in rows)
+
+
+def row_block_map(rows: list[int], block: int = BLOCK) -> list[int] | None:
+    """The scale row of every weight row of a fused weight whose parts (``rows``) are quantised each on its own;
+    None when ``row // block`` is that row already (every part but the last a multiple of ``block`` rows)."""
+    if all(r % block == 0 for r in rows[:-1]):
+        return None
+    out: list[int] = []
+    first = 0
+    for r in rows:
+        out += [first + i // block for i in range(r)]
+        first += math.ceil(r / block)
+    return out
+
+
+def quantize_fp8_parts(w: torch.Tensor, rows: list[int], block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] made of row parts ``rows`` (summing to N) -> (fp8 [N, K], scale_inv [part_blocks(rows), ceil(K/b)]),
+    each part block-quantised on its own (the layout of a fused projection whose parts are checkpoint tensors)."""
+    parts = [quantize_fp8_block(p, block) for p in w.split(rows, dim=0)]
+    return torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts])
+
+
+def dequantize_fp8_rows(q: torch.Tensor, scale_inv: torch.Tensor, row_block: torch.Tensor | None = None,
+                        dtype: torch.dtype = torch.bfloat16, block: int = BLOCK) -> torch.Tensor:
+    """``dequantize_fp8_block`` of a [N, K] weight whose weight row ``r`` takes scale row ``row_block[r]`` (a fused
+    weight of parts not aligned to the block; ``row_block_map``); None: row ``r // block``."""
+    if row_block is None:
+        return dequantize_fp8_block(q, scale_inv, dtype, block)
+    k = q.shape[-1]
+    s = scale_inv[row_block.long()].repeat_interleave(block, dim=-1)[:, :k]  # [N, K]
+    return (q.float() * s).to(dtype)
+
+
+def fake_quantize_dense_fp8(model: torch.nn.Module, block: int = BLOCK, skip: tuple[str, ...] = ()) -> int:
+    """Round every dense projection of ``model`` (each ``baton.layers.linear.Linear``: attention q/k/v/o, MLP
+    gate/up/down, NEXTN eh_proj) through fp8 e4m3 with ``block`` x ``block`` scales, in place, keeping the dtype: the
+    CPU emulation of ``--quantization fp8`` (experts + dense) for a model without fp8 layers (the embedded SmolLM2).
+    Each checkpoint tensor of a fused projection is quantised on its own, as an fp8 checkpoint stores it. The
+    lm_head and embeddings are left alone (the verify's lm_head stays in the model dtype). Modules whose name starts
+    with one of ``skip`` are left alone too. Returns the number of checkpoint matrices changed."""
+    from baton.layers.embedding import ParallelLMHead
+    from baton.layers.linear import Linear
+
+    changed = 0
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            if (not isinstance(m, Linear) or isinstance(m, ParallelLMHead) or (skip and name.startswith(skip))
+                    or (m.weight is not None and m.weight.dtype == FP8_DTYPE)):
+                continue
+            w = _float_weight(m)
+            rows = [r for _, r, *_ in m.hf_row_splits["weight"]] if hasattr(m, "hf_row_splits") else [w.shape[0]]
+            q, s = quantize_fp8_parts(w, rows, block)
+            w.copy_(dequantize_fp8_rows(q, s, _as_tensor(row_block_map(rows, block), w.device), w.dtype, block))
+            changed += len(rows)
+    return changed
+
+
+def _as_tensor(rows: list[int] | None, device) -> torch.Tensor | None:
+    return None if rows is None else torch.tensor(rows, dtype=torch.int32, device=device)
+
+
+def _float_weight(m: torch.nn.Module) -> torch.Tensor:
+    """A projection's weight as a float tensor to round in place: a GGUF-quantized weight kept in its block format
+    (``baton.layers.linear.QuantizedWeight``, the embedded model on the CPU) is dequantised into a plain fp32
+    parameter first (the same values: its matmul computes from the exact dequantised weights)."""
+    from baton.layers.linear import quantized
+
+    q = quantized(m)
+    if q is not None:
+        w = q.dequantize().float()
+        del m._modules["qweight"]
+        m.weight = torch.nn.Parameter(w, requires_grad=False)
+    return m.weight.data
