@@ -30,7 +30,7 @@ SMALL_LING = dict(
 
 
 def _compare(ref_model, test_model, prompt: list[int], tokens: int) -> dict:
-    from baton.engine.runner import ModelRunner
+    from baton.layers.context import ModelRunner
     from baton.types import ForwardMode
 
     def forward(model, ids):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from baton.config import parse_model_config
-from baton.engine.runner import ModelRunner
+from baton.layers.context import ModelRunner
 from baton.models.load import build_model
 from baton.models.loader import init_dummy_weights
 from baton.types import ForwardMode

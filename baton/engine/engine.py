@@ -24,7 +24,7 @@ import torch
 from baton import dist, env
 from baton.config import ConfigError, LingConfig, ServerArgs
 from baton.engine.output import OutputTracker
-from baton.engine.runner import ModelRunner
+from baton.layers.context import ModelRunner
 from baton.models.load import load_target
 from baton.models.loader import parse_dtype
 from baton.ops.sampling import logits_to_probs, sample_from_probs

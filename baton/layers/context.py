@@ -36,3 +36,20 @@ class ForwardContext:
     def stages_state(self) -> bool:
         """Verify runs the linear-attention recurrence without touching the persistent state."""
         return self.mode is ForwardMode.VERIFY
+
+
+class ModelRunner:
+    """One model's cache and the ForwardContext of a forward at host-known positions ``start_pos ..
+    start_pos + T - 1`` (the prefill, a drafter's begin, training, tests). Decode steps run in the step program
+    (engine/step.py), whose positions come from the relay."""
+
+    def __init__(self, cache: ModelCache, device: torch.device) -> None:
+        self.cache = cache
+        self.device = device
+
+    def context(self, mode: ForwardMode, start_pos: int, num_tokens: int,
+                capture: tuple[int, ...] = ()) -> ForwardContext:
+        if start_pos + num_tokens > self.cache.max_len:
+            raise ValueError(f"sequence of {start_pos + num_tokens} tokens exceeds the cache ({self.cache.max_len})")
+        positions = torch.arange(start_pos, start_pos + num_tokens, device=self.device)
+        return ForwardContext(mode, positions, self.cache, kv_len=start_pos + num_tokens, capture_layer_ids=capture)

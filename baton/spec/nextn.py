@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.engine.runner import ModelRunner
-from baton.layers.context import ForwardContext
+from baton.layers.context import ForwardContext, ModelRunner
 from baton.models.base import CausalLM
 from baton.models.nextn import NextNLayer
 from baton.spec.base import Drafter

@@ -128,7 +128,7 @@ def test_logits_close_to_the_unquantised_model(ling_path, models):
 def test_one_layer_is_close_to_the_unquantised_layer(ling_path, models):
     """What fp8 costs one layer (no amplification through depth): the attention of a KDA and an MLA layer and a
     dense MLP on the same input, about e4m3's 2-3% per weight through two projections."""
-    from baton.engine.runner import ModelRunner
+    from baton.layers.context import ModelRunner
     from baton.types import ForwardMode
 
     ref, fp8 = models(), models("fp8")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from baton.config import ConfigError, SpecConfig
-from baton.engine.runner import ModelRunner
+from baton.layers.context import ModelRunner
 from baton.spec.base import Drafter
 from baton.types import ForwardMode, Request, SamplingParams
 from tests.spec.conftest import make_engine

@@ -11,7 +11,7 @@ import torch
 
 from baton.cli import main as baton_main
 from baton.config import ServerArgs
-from baton.engine.runner import ModelRunner
+from baton.layers.context import ModelRunner
 from baton.train.common import FrozenHead
 from baton.train.evaluate import holdout_prompts, measure_accept_length
 from baton.train.nextn import NextNOptions, build_trainable_head, chain_mask, step_rows, unrolled_forward

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from baton.config import ServerArgs
-from baton.engine.runner import ModelRunner
+from baton.layers.context import ModelRunner
 from baton.train.common import Sample, batches
 from baton.train.online import FeaturePrefetcher, TargetFeatures
 from baton.train.runner import load_frozen_target

@@ -36,7 +36,7 @@ def _layer_errors(ref, test) -> dict:
 
 
 def _attn(model, i, x):
-    from baton.engine.runner import ModelRunner
+    from baton.layers.context import ModelRunner
     from baton.types import ForwardMode
 
     runner = ModelRunner(model.make_cache(x.shape[0] + 8, torch.float32, torch.device("cpu")), torch.device("cpu"))
@@ -45,7 +45,7 @@ def _attn(model, i, x):
 
 
 def _abs_figures(ref, test, prompt, tokens) -> dict:
-    from baton.engine.runner import ModelRunner
+    from baton.layers.context import ModelRunner
     from baton.types import ForwardMode
 
     def forward(model, ids):
@@ -105,7 +105,7 @@ def main() -> None:
 
 
 def _greedy(model, ids, n):
-    from baton.engine.runner import ModelRunner
+    from baton.layers.context import ModelRunner
     from baton.types import ForwardMode
 
     runner = ModelRunner(model.make_cache(len(ids) + n + 8, torch.float32, torch.device("cpu")), torch.device("cpu"))

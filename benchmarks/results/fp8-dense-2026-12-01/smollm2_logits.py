@@ -22,7 +22,7 @@ from benchmarks.fp8_accuracy import _compare
 def main() -> None:
     from baton.config import ServerArgs
     from baton.engine.engine import Engine
-    from baton.engine.runner import ModelRunner
+    from baton.layers.context import ModelRunner
     from baton.ops.quant import fake_quantize_dense_fp8, fake_quantize_mlp_fp8
     from baton.types import ForwardMode
 
