@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
+
+from benchmarks.common import summarize, timed_request
 
 
 def main() -> int:
@@ -44,7 +44,6 @@ def main() -> int:
 
     from baton.config import ServerArgs, SpecConfig
     from baton.engine.engine import Engine
-    from baton.types import Request, SamplingParams
 
     spec = SpecConfig(algorithm=ns.speculative_algorithm, draft_model_path=ns.speculative_draft_model_path,
                       num_steps=ns.speculative_num_steps, num_draft_tokens=ns.speculative_num_draft_tokens,
@@ -57,26 +56,11 @@ def main() -> int:
     prompt = torch.randint(100, min(vocab, 32000), (ns.input_len,), generator=torch.Generator().manual_seed(0))
     prompt = prompt.tolist()
 
-    def one(n: int) -> dict:
-        sp = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
-        t0 = time.perf_counter()
-        ttft, tokens, verify = None, 0, 0
-        for out in engine.generate(Request(list(prompt), sp)):
-            if ttft is None and out.token_ids:
-                ttft = time.perf_counter() - t0
-            tokens += len(out.token_ids)
-            verify = out.num_verify_steps
-        total = time.perf_counter() - t0
-        return {"ttft_ms": 1e3 * ttft, "tpot_ms": 1e3 * (total - ttft) / max(tokens - 1, 1), "tokens": tokens,
-                "accept_length": tokens / verify if verify else None}
-
-    one(32)  # warm: compiles, captures, allocator
-    runs = [one(ns.output_len) for _ in range(ns.num_requests)]
-    tpots = [r["tpot_ms"] for r in runs]
+    timed_request(engine, prompt, 32)  # warm: compiles, captures, allocator
+    runs = [timed_request(engine, prompt, ns.output_len) for _ in range(ns.num_requests)]
     record = {"label": ns.label, "commit": os.environ.get("BATON_COMMIT", "unknown"),
               "gpu": torch.cuda.get_device_name(), "argv": sys.argv[1:],
-              "tpot_ms": {"median": statistics.median(tpots), "min": min(tpots), "max": max(tpots)},
-              "ttft_ms_median": statistics.median(r["ttft_ms"] for r in runs),
+              "tpot_ms": summarize(runs, "tpot_ms"), "ttft_ms_median": summarize(runs, "ttft_ms")["median"],
               "accept_length": runs[-1]["accept_length"], "runs": runs}
     line = json.dumps(record)
     print(line, flush=True)
