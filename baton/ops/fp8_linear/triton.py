@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from baton.ops.linear.triton import _epilogue, _load_h, pdl_enabled
+from baton.ops.linear.triton import _epilogue, _load_h, _row_rstd, pdl_enabled
 from baton.ops.quant.fp8 import BLOCK as SB
 from baton.ops.quant.fp8 import FP8_DTYPE
 
@@ -160,15 +160,7 @@ def fp8_dense_kernel(x_ptr, w_ptr, s_ptr, rb_ptr, nw_ptr, res_ptr, out_ptr, M, N
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_NORM:
-        sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for c in tl.static_range(0, K, STATS_BK):
-            offs_s = c + tl.arange(0, STATS_BK)
-            xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_s[None, :],
-                         mask=m_mask[:, None] & (offs_s < K)[None, :], other=0.0).to(tl.float32)
-            sumsq += tl.sum(xs * xs, axis=1)
-        rstd = tl.rsqrt(sumsq / K + eps)
+    rstd = _row_rstd(x_ptr, offs_m, m_mask, stride_xm, K, eps, BLOCK_M, STATS_BK, HAS_NORM)
 
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)

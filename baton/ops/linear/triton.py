@@ -211,6 +211,23 @@ def _round(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _row_rstd(x_ptr, offs_m, m_mask, stride_xm, K: tl.constexpr, eps, BLOCK_M: tl.constexpr, STATS_BK: tl.constexpr,
+              HAS_NORM: tl.constexpr):
+    """RMSNorm's 1 / rms of each row of x (the prologue's statistics, over K in STATS_BK chunks); zeros without a
+    norm."""
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_NORM:
+        sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for c in tl.static_range(0, K, STATS_BK):
+            offs_s = c + tl.arange(0, STATS_BK)
+            xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_s[None, :],
+                         mask=m_mask[:, None] & (offs_s < K)[None, :], other=0.0).to(tl.float32)
+            sumsq += tl.sum(xs * xs, axis=1)
+        rstd = tl.rsqrt(sumsq / K + eps)
+    return rstd
+
+
+@triton.jit
 def _load_h(x_ptr, nw_ptr, offs_m, offs_k, m_mask, k_hi, rstd, stride_xm,
             HAS_NORM: tl.constexpr, H_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """x chunk [BLOCK_M, BLOCK_K], RMS-normalised like ``rms_norm`` when HAS_NORM (fp32 scale, round to x's
@@ -303,15 +320,7 @@ def linear_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_NORM:
-        sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for c in tl.static_range(0, K, STATS_BK):
-            offs_s = c + tl.arange(0, STATS_BK)
-            xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_s[None, :],
-                         mask=m_mask[:, None] & (offs_s < K)[None, :], other=0.0).to(tl.float32)
-            sumsq += tl.sum(xs * xs, axis=1)
-        rstd = tl.rsqrt(sumsq / K + eps)
+    rstd = _row_rstd(x_ptr, offs_m, m_mask, stride_xm, K, eps, BLOCK_M, STATS_BK, HAS_NORM)
 
     if USE_DOT or ROWS:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
