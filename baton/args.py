@@ -85,7 +85,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def server_args_from(ns: argparse.Namespace) -> ServerArgs:
-    from baton.spec.shipped import DISABLE, with_shipped_drafts
+    from baton.speculative.shipped import DISABLE, with_shipped_drafts
 
     requested = ns.speculative_algorithm
     spec = SpecConfig(

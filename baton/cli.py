@@ -88,8 +88,8 @@ def cmd_random_checkpoint(ns: argparse.Namespace) -> int:
     import torch
 
     from baton.config import parse_model_config
-    from baton.models.load import build_model
-    from baton.models.loader import init_dummy_weights, parse_dtype, save_hf_checkpoint
+    from baton.models.build import build_model
+    from baton.models.checkpoint import init_dummy_weights, parse_dtype, save_hf_checkpoint
 
     with open(ns.config) as f:
         data = json.load(f)
@@ -108,11 +108,11 @@ def cmd_random_draft(ns: argparse.Namespace) -> int:
 
     target_cfg = load_model_config(ns.target, ns.json_model_override_args)
     if ns.algorithm.upper() in ("NEXTN", "EAGLE"):
-        from baton.spec.drafts import write_random_nextn_head
+        from baton.models.nextn_checkpoint import write_random_nextn_head
 
         write_random_nextn_head(target_cfg, ns.output, ns.seed)
     else:
-        from baton.spec.dspark_ckpt import write_random_dspark_draft
+        from baton.models.dspark_checkpoint import write_random_dspark_draft
 
         write_random_dspark_draft(target_cfg, ns.output, ns.seed, block_size=ns.block_size,
                                   num_layers=ns.num_layers, markov_rank=ns.markov_rank,

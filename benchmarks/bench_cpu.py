@@ -30,7 +30,7 @@ STORY = "Write a short story about a robot who learns to paint."
 def baton_engine(config: str, dtype: str, context: int):
     from baton.config import ServerArgs, SpecConfig
     from baton.engine.engine import Engine
-    from baton.spec.shipped import with_shipped_drafts
+    from baton.speculative.shipped import with_shipped_drafts
 
     spec = with_shipped_drafts(SpecConfig(), embedded=True, requested=None if config == "default" else "none")
     return Engine(ServerArgs(device="cpu", dtype=dtype, context_length=context, spec=spec))

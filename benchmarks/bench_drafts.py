@@ -107,7 +107,7 @@ def spec_configs(args: argparse.Namespace) -> tuple[list[tuple[str, dict[str, An
             configs.append((f"NEXTN ({s},1,{s + 1})", {"algorithm": "NEXTN", "draft_model_path": args.nextn,
                                                       "num_steps": s, "eagle_topk": 1, "num_draft_tokens": s + 1}))
     if args.dspark:
-        from baton.spec.dspark_ckpt import read_dspark_config
+        from baton.models.dspark_checkpoint import read_dspark_config
 
         block_size = read_dspark_config(args.dspark).block_size
         sts = os.path.join(args.dspark, "sts.json")
@@ -140,7 +140,7 @@ def run_config(args: argparse.Namespace, label: str, spec: dict[str, Any], test:
     t0 = time.perf_counter()
     engine = TimedEngine(Engine(server_args))
     if args.fp8_target:  # the target's MLP (or every dense) weights through fp8 (in place: graphs see the new values)
-        from baton.ops.quant import fake_quantize_dense_fp8, fake_quantize_mlp_fp8
+        from baton.layers.fake_quant import fake_quantize_dense_fp8, fake_quantize_mlp_fp8
 
         (fake_quantize_dense_fp8 if args.fp8_target == "dense" else fake_quantize_mlp_fp8)(engine.engine.model)
         label += " [fp8 dense target]" if args.fp8_target == "dense" else " [fp8 target]"

@@ -63,8 +63,8 @@ def _compare(ref_model, test_model, prompt: list[int], tokens: int) -> dict:
 
 def small_ling(tokens: int) -> dict:
     from baton.config import parse_model_config
-    from baton.models.load import build_model
-    from baton.models.loader import init_dummy_weights, load_tensors, save_hf_checkpoint
+    from baton.models.build import build_model
+    from baton.models.checkpoint import init_dummy_weights, load_tensors, save_hf_checkpoint
 
     cfg = parse_model_config(SMALL_LING)
     ref = build_model(cfg, "cpu", torch.bfloat16)
@@ -72,7 +72,7 @@ def small_ling(tokens: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         save_hf_checkpoint(ref, SMALL_LING, d)
         fp8_cfg = parse_model_config({**SMALL_LING, "quantization_config": {"quant_method": "fp8"}})
-        from baton.models.loader import iter_safetensors, safetensors_files
+        from baton.models.checkpoint import iter_safetensors, safetensors_files
 
         fp8 = build_model(fp8_cfg, "cpu", torch.float32)
         load_tensors(fp8, iter_safetensors(safetensors_files(d)))
@@ -83,7 +83,7 @@ def small_ling(tokens: int) -> dict:
 def smollm2(tokens: int) -> dict:
     from baton.config import ServerArgs
     from baton.engine.engine import Engine
-    from baton.ops.quant import fake_quantize_mlp_fp8
+    from baton.layers.fake_quant import fake_quantize_mlp_fp8
 
     ref = Engine(ServerArgs())
     test = Engine(ServerArgs())

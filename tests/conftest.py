@@ -65,7 +65,7 @@ def llama_nextn_path(ckpt_root, llama_path) -> str:
 
 
 def _write_checkpoint(root, name: str, cfg: dict) -> str:
-    from tests.spec.conftest import write_checkpoint
+    from tests.speculative.conftest import write_checkpoint
 
     return write_checkpoint(root, name, cfg)
 

@@ -6,8 +6,8 @@ import torch
 
 from baton.config import parse_model_config
 from baton.layers.context import ModelRunner
-from baton.models.load import build_model
-from baton.models.loader import init_dummy_weights
+from baton.models.build import build_model
+from baton.models.checkpoint import init_dummy_weights
 from baton.types import ForwardMode
 
 

@@ -283,13 +283,13 @@ def test_a_config_only_directory_gets_token_ids_without_trying_transformers(tmp_
     import logging
 
     from baton.config import parse_model_config
-    from baton.models.load import _tokenizer_for
+    from baton.engine.load import tokenizer_for
     from baton.tokenizer import IdTokenizer
     from tests.conftest import TINY_LING
 
     (tmp_path / "config.json").write_text("{}")
     with caplog.at_level(logging.WARNING):
-        tok = _tokenizer_for(str(tmp_path), parse_model_config(dict(TINY_LING)))
+        tok = tokenizer_for(str(tmp_path), parse_model_config(dict(TINY_LING)))
     assert isinstance(tok, IdTokenizer)
     assert "no tokenizer files in" in caplog.text
     assert "transformers" not in capsys.readouterr().err  # no AutoTokenizer attempt, so none of its warnings

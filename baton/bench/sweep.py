@@ -71,7 +71,7 @@ class SweepConfig:
 
     def apply(self, server_args: Any) -> Any:
         """``server_args`` (a ServerArgs) with this configuration's speculative settings."""
-        from baton.spec.shipped import is_shipped, with_shipped_drafts
+        from baton.speculative.shipped import is_shipped, with_shipped_drafts
 
         spec = server_args.spec
         if server_args.is_embedded and is_shipped(spec.draft_model_path):  # the default draft: re-pick per kind

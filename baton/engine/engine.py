@@ -7,7 +7,7 @@ them. There is one program: captured as CUDA graphs on CUDA, the same bodies unc
 Under tensor parallelism (baton/engine/tp.py) every rank builds its own Engine on its own GPU and runs the same
 loop on the same requests; greedy choices come from ``model.greedy_tokens`` (an argmax across vocabulary
 shards without gathering the logits), everything else from the gathered logits, so all ranks agree (a DSpark /
-DFlash draft is replicated on every rank; baton/spec/dspark.py says how its prefix decision is shared).
+DFlash draft is replicated on every rank; baton/speculative/dspark.py says how its prefix decision is shared).
 """
 
 from __future__ import annotations
@@ -23,12 +23,13 @@ import torch
 
 from baton import dist, env
 from baton.config import ConfigError, LingConfig, ServerArgs
+from baton.engine.api import RequestTrace
+from baton.engine.load import load_target
 from baton.engine.output import OutputTracker
 from baton.layers.context import ModelRunner
-from baton.models.load import load_target
-from baton.models.loader import parse_dtype
+from baton.models.checkpoint import parse_dtype
 from baton.ops.sampling import logits_to_probs, sample_from_probs
-from baton.spec.base import Drafter
+from baton.speculative.base import Drafter
 from baton.types import ForwardMode, Request, SamplingParams, SpecStats, StepOutput
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ class Engine:
         self.context_length = self._context_length()
         spec = args.spec
         if spec.algorithm in ("DSPARK", "DFLASH"):
-            from baton.spec.dspark import resolve_dspark_spec
+            from baton.speculative.dspark import resolve_dspark_spec
 
             resolve_dspark_spec(spec)  # num_draft_tokens = checkpoint block size + 1 when unset
         self.num_draft_tokens = spec.num_draft_tokens if spec.enabled else 1
@@ -68,7 +69,7 @@ class Engine:
         self.runner = ModelRunner(cache, self.device)
         self.drafter: Drafter | None = None
         if spec.enabled:
-            from baton.spec.factory import build_drafter
+            from baton.speculative.factory import build_drafter
 
             self.drafter = build_drafter(self, spec)
             if args.enable_fp8_draft_lm_head:
@@ -76,12 +77,25 @@ class Engine:
         self.spec_stats = SpecStats()
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | _config_eos(self.model_config)
         self._sim_generator = torch.Generator().manual_seed(args.seed)
-        self.last_sequence: list[int] = []  # prompt + generated tokens of the latest request (tests read it)
-        self.last_pos = 0  # tokens whose states are committed in the caches
+        self._observers: list[Callable[[RequestTrace], None]] = []
+        self.program = self._make_program()
+
+    def _make_program(self):
+        """The one decode program: captured as CUDA graphs on CUDA, run uncaptured on the CPU and with
+        --disable-cuda-graph."""
         from baton.engine.step import StepProgram
 
-        # the one decode program: captured as CUDA graphs on CUDA, run uncaptured on the CPU / --disable-cuda-graph
-        self.program = StepProgram(self, capture=self.device.type == "cuda" and not args.disable_cuda_graph)
+        sim_table = None  # --speculative-simulate-accept-len: accepted counts, cycled by the step counter
+        if self.drafter is not None and self.server_args.spec.simulate_accept_len is not None:
+            sim_table = self.simulated_accept_table(self.num_draft_tokens - 1)
+        capture = self.device.type == "cuda" and not self.server_args.disable_cuda_graph
+        return StepProgram(self.model, self.runner.cache, self.drafter, self.num_draft_tokens, self.dtype,
+                           self.device, sim_table=sim_table, capture=capture)
+
+    def set_drafter(self, drafter: Drafter) -> None:
+        """Replace the drafter (same number of drafts); the step program is built again around it."""
+        self.drafter = drafter
+        self.program = self._make_program()
 
     def _apply_precision(self, args: ServerArgs) -> None:
         """Router gate and lm_head run in the model dtype unless the flags keep fp32 copies (made once here)."""
@@ -142,6 +156,13 @@ class Engine:
                     spec_accept_histogram=dict(self.spec_stats.accept_histogram))
         return info
 
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    def add_observer(self, fn: Callable[[RequestTrace], None]) -> None:
+        self._observers.append(fn)
+
     def generate(self, req: Request, should_abort: Callable[[], bool] | None = None) -> Iterator[StepOutput]:
         self.validate_request(req)
         with torch.inference_mode():
@@ -181,7 +202,7 @@ class Engine:
         anchor, pos = self._prefill(req)
         program.start(anchor, pos)
         first = anchor.tolist()
-        self.last_sequence = list(req.input_ids) + first
+        sequence = list(req.input_ids) + first
         simulated = self.server_args.spec.simulate_accept_len is not None
         yield self._emit(out, first, 0, simulated)
         num_verify, host_step = 0, 0
@@ -203,14 +224,17 @@ class Engine:
                     if spec:
                         num_verify += 1
                         self.spec_stats.record(len(tokens) - 1)
-                    self.last_sequence += tokens
+                    sequence += tokens
                     yield self._emit(out, tokens, num_verify, simulated)
         finally:
             if gc_enabled:
                 gc.enable()
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # the step in flight is discarded
-            self.last_pos = int(program.relay.pos)
+            if self._observers:
+                trace = RequestTrace(req.rid, sequence, int(program.relay.pos))
+                for fn in self._observers:
+                    fn(trace)
 
     def _seed_default_generator(self, seed: int) -> None:
         """The generator the graph path samples with: the device's default one (CUDA graph replays read its

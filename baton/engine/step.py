@@ -1,10 +1,10 @@
 """The decode step program: the only one. Each step is {draft, verify, accept, commit, extend} (or one plain
 decode forward) over device-resident values in the Relay, and the host reads each step's tokens one step late.
 
-``StepProgram(engine, capture=True)`` captures the step bodies as CUDA graphs once at start-up and replays them;
-``capture=False`` runs the very same bodies eagerly: on the CPU, and on CUDA with ``--disable-cuda-graph``. The
-drafter supplies its own bodies (``Drafter.start`` / ``draft`` / ``extend``, spec/base.py): NEXTN chains and
-DSpark / DFlash blocks, whose confidence-scheduled prefix rule sets ``relay.num_drafts`` on the device.
+``StepProgram(..., capture=True)`` captures the step bodies as CUDA graphs once at start-up and replays them;
+``capture=False`` runs the very same bodies eagerly: on the CPU, and on CUDA with ``--disable-cuda-graph``.
+The drafter supplies its own bodies (``Drafter.start`` / ``draft`` / ``extend``, speculative/base.py): NEXTN
+chains and DSpark / DFlash blocks, whose confidence-scheduled prefix rule sets ``relay.num_drafts`` on the device.
 
 Every step-varying value is read from the relay on the device: positions are ``pos + arange``, attention covers
 the whole preallocated cache with a position mask (uncaptured on the CPU, the host may read ``pos`` for free and
@@ -24,47 +24,51 @@ rejection rule with a one-hot q (lossless: ``spec.verify.rejection_verify``).
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from baton.layers.context import ForwardContext
 from baton.ops.sampling import logits_to_probs_t, sample_from_probs
-from baton.spec.verify import greedy_verify_tokens, rejection_verify, verdict_from
+from baton.speculative.verify import greedy_verify_tokens, rejection_verify, verdict_from
 from baton.types import ForwardMode
+
+if TYPE_CHECKING:
+    from baton.cache.model_cache import ModelCache
+    from baton.models.base import CausalLM
+    from baton.speculative.base import Drafter
 
 log = logging.getLogger(__name__)
 
 
 class StepProgram:
-    def __init__(self, engine, capture: bool = True) -> None:
-        """``capture``: CUDA graphs (CUDA only); False runs the same bodies eagerly."""
+    """The decode step program of one engine: ``model`` over ``cache``, with ``drafter`` (None: plain decoding)
+    proposing ``num_verify - 1`` drafts a step. ``sim_table``: accepted-draft counts cycled by the step counter
+    (``--speculative-simulate-accept-len``), or None for real verification. ``capture``: CUDA graphs (CUDA
+    only); False runs the same bodies eagerly."""
+
+    def __init__(self, model: CausalLM, cache: ModelCache, drafter: Drafter | None, num_verify: int,
+                 dtype: torch.dtype, device: torch.device, *, sim_table: torch.Tensor | None = None,
+                 capture: bool = True) -> None:
         from baton.engine.relay import Relay
 
-        self.engine = engine
-        self.model = engine.model
-        self.cache = engine.runner.cache
-        self.spec = engine.drafter is not None
-        self.num_verify = engine.num_draft_tokens  # k + 1 (1 for plain decode)
-        device = engine.device
-        feature_dim = getattr(self.drafter, "feature_dim", 0) if self.spec else 0
-        self.relay = Relay(self.num_verify, self.model.config.hidden_size, engine.dtype, device, feature_dim)
+        self.model = model
+        self.cache = cache
+        self.drafter = drafter
+        self.spec = drafter is not None
+        self.num_verify = num_verify  # k + 1 (1 for plain decode)
+        self.device = device
+        feature_dim = drafter.feature_dim if drafter is not None else 0
+        self.relay = Relay(num_verify, model.config.hidden_size, dtype, device, feature_dim)
         self.relay.slice_cache = not capture and device.type == "cpu"
-        self.arange = torch.arange(self.num_verify, device=device)
+        self.arange = torch.arange(num_verify, device=device)
         self.one = torch.ones(1, dtype=torch.long, device=device)
-        self.sim_table = None  # --speculative-simulate-accept-len: accepted counts, cycled by the step counter
-        if self.spec and engine.server_args.spec.simulate_accept_len is not None:
-            self.sim_table = engine.simulated_accept_table(self.num_verify - 1)  # k drafts (NEXTN steps, DSpark gamma)
+        self.sim_table = sim_table if self.spec else None
         bodies = [self._draft, self._verify, self._extend] if self.spec else [self._decode]
         self.capture = capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.replays = self._build(bodies)
         self._sampled_replays = None  # captured on the first sampled request
-
-    @property
-    def drafter(self):
-        """The engine's drafter (read at each body call: an uncaptured program follows a swapped one; captured
-        graphs keep the drafter they were captured with)."""
-        return self.engine.drafter
 
     def _build(self, bodies) -> list:
         if not self.capture:
@@ -72,7 +76,7 @@ class StepProgram:
         with torch.inference_mode():
             replays = [self._capture(body).replay for body in bodies]
         self.relay.pos.zero_()
-        torch.cuda.synchronize(self.engine.device)
+        torch.cuda.synchronize(self.device)
         return replays
 
     def sampled_replays(self) -> list:

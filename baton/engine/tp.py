@@ -24,11 +24,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from baton import dist
 from baton.config import ConfigError, ServerArgs
-from baton.types import Request, StepOutput
+from baton.engine.api import RequestTrace
+from baton.types import Request, SpecStats, StepOutput
+
+if TYPE_CHECKING:
+    from baton.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +62,64 @@ class StepPoll:
         return dist.broadcast_flag(local)
 
 
-class TPEngine:
-    """Rank 0's engine under tensor parallelism: the Engine API, with every request and cache flush mirrored on
-    the other ranks. Attributes not defined here are the local Engine's."""
+@dataclass(frozen=True)
+class Generate:
+    """Run this request (its seed already fixed by rank 0)."""
 
-    def __init__(self, engine: Any) -> None:
+    req: Request
+
+
+@dataclass(frozen=True)
+class FlushCache:
+    """Forget every cached state."""
+
+
+@dataclass(frozen=True)
+class CallAll:
+    """Run ``fn(engine, *args)`` (a module-level function: it is pickled)."""
+
+    fn: Callable[..., object]
+    args: tuple
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Leave ``follow``: the run is over."""
+
+
+RankMessage = Generate | FlushCache | CallAll | Stop
+
+
+class TPEngine:
+    """Rank 0's engine under tensor parallelism: the EngineAPI (baton/engine/api.py), with every request and cache
+    flush mirrored on the other ranks as a RankMessage. ``engine`` is rank 0's own Engine (for tools that work on
+    one rank's model: the census, the gate's checks)."""
+
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._lock = threading.Lock()  # one broadcast sequence at a time (engine thread vs. shutdown)
+        self.server_args = engine.server_args
+        self.tokenizer = engine.tokenizer
+        self.model_path = engine.model_path
+        self.served_model_name = engine.served_model_name
+        self.context_length = engine.context_length
+        self.vocab_size = engine.vocab_size
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
+    @property
+    def spec_stats(self) -> SpecStats:
+        return self.engine.spec_stats
+
+    def validate_request(self, req: Request) -> None:
+        self.engine.validate_request(req)
+
+    def model_info(self) -> dict[str, Any]:
+        return self.engine.model_info()
+
+    def server_info(self) -> dict[str, Any]:
+        return self.engine.server_info()
+
+    def add_observer(self, fn: Callable[[RequestTrace], None]) -> None:
+        self.engine.add_observer(fn)
 
     def generate(self, req: Request, should_abort: Callable[[], bool] | None = None) -> Iterator[StepOutput]:
         self.engine.validate_request(req)  # a rejected request never reaches the other ranks
@@ -75,7 +128,7 @@ class TPEngine:
             yield from self._run(req, should_abort)
 
     def _run(self, req: Request, should_abort: Callable[[], bool] | None) -> Iterator[StepOutput]:
-        dist.broadcast_object(("generate", req))
+        _send(Generate(req))
         poll = StepPoll(should_abort)
         dist.set_busy(True)
         inner = self.engine.generate(req, poll)
@@ -96,7 +149,7 @@ class TPEngine:
 
     def flush_cache(self) -> None:
         with self._lock:
-            dist.broadcast_object(("flush", None))
+            _send(FlushCache())
             self.engine.flush_cache()
 
     def call_all(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -104,32 +157,42 @@ class TPEngine:
         for work whose collectives must run in lockstep outside a request, such as the census replaying the
         captured steps. ``fn`` and ``args`` must pickle (a module-level function)."""
         with self._lock:
-            dist.broadcast_object(("call", (fn, args)))
+            _send(CallAll(fn, args))
             return fn(self.engine, *args)
 
     def shutdown(self) -> None:
         """Tell the other ranks to leave ``follow`` (after the request in flight, if any)."""
         with self._lock:
-            dist.broadcast_object(("stop", None))
+            _send(Stop())
 
 
-def follow(engine: Any) -> None:
+def _send(msg: RankMessage) -> None:
+    dist.broadcast_object(msg)
+
+
+def _receive() -> RankMessage:
+    msg = dist.broadcast_object(None)
+    if not isinstance(msg, Generate | FlushCache | CallAll | Stop):
+        raise TypeError(f"rank 0 sent {type(msg).__name__}, not a RankMessage")
+    return msg
+
+
+def follow(engine: Engine) -> None:
     """A rank other than 0: run what rank 0 broadcasts until it says stop."""
     while True:
-        cmd, req = dist.broadcast_object(None)
-        if cmd == "stop":
-            return
-        if cmd == "flush":
-            engine.flush_cache()
-            continue
-        if cmd == "call":
-            fn, args = req
-            fn(engine, *args)
-            continue
-        dist.set_busy(True)
-        for _ in engine.generate(req, StepPoll()):
-            pass
-        dist.set_busy(False)
+        msg = _receive()
+        match msg:
+            case Stop():
+                return
+            case FlushCache():
+                engine.flush_cache()
+            case CallAll(fn, args):
+                fn(engine, *args)
+            case Generate(req):
+                dist.set_busy(True)
+                for _ in engine.generate(req, StepPoll()):
+                    pass
+                dist.set_busy(False)
 
 
 def _with_seed(req: Request) -> Request:
@@ -141,7 +204,7 @@ def _with_seed(req: Request) -> Request:
 
 
 def rank_main(args: ServerArgs, leader: Callable[..., Any], leader_args: tuple = (),
-              setup: Callable[[Any], None] | None = None) -> Any:
+              setup: Callable[[Engine], None] | None = None) -> Any:
     """What every rank runs: build the Engine (``setup`` may adjust it, on every rank alike), then rank 0 runs
     ``leader(TPEngine, *leader_args)`` and the others follow it. Returns the leader's result on rank 0."""
     from baton.engine.engine import Engine
@@ -160,7 +223,7 @@ def rank_main(args: ServerArgs, leader: Callable[..., Any], leader_args: tuple =
 
 
 def run_tp(args: ServerArgs, leader: Callable[..., Any], leader_args: tuple = (), *,
-           setup: Callable[[Any], None] | None = None, rank0_in_caller: bool = True,
+           setup: Callable[[Engine], None] | None = None, rank0_in_caller: bool = True,
            timeout_s: float | None = None) -> Any:
     """Start ``args.tp_size`` ranks and run ``leader`` on rank 0 (see rank_main); ``leader``, ``setup`` and
     their arguments must pickle (module-level functions)."""
@@ -179,7 +242,7 @@ def _check(args: ServerArgs, backend: str) -> None:
         raise ConfigError(f"--tp-size {args.tp_size} needs {args.tp_size} GPUs; {torch.cuda.device_count()} visible")
     cfg = _model_config(args)
     if cfg is not None:  # shapes that do not divide: one clear error before any rank starts
-        from baton.models.load import build_model
+        from baton.models.build import build_model
 
         with dist.layout_context(0, args.tp_size):
             build_model(cfg, "meta", torch.float32)

@@ -26,7 +26,6 @@ class ForwardContext:
     kv_len: int | None = None  # host-known bound on the cache rows this forward reads (None: the whole cache)
     capture_layer_ids: tuple[int, ...] = ()  # decoder layers whose outputs to keep (DSpark features)
     captured: list[torch.Tensor] = field(default_factory=list)  # filled in layer-id order
-    block_causal_len: int | None = None  # DSpark: last this-many queries attend bidirectionally
 
     @property
     def num_tokens(self) -> int:

@@ -6,7 +6,7 @@ the published layout (e.g. q_proj / k_proj / v_proj) while the forward runs one 
 
 Tensor parallelism is by construction: a module is built with this rank's local shapes (``baton.dist`` says
 which rank of how many) and records, for each sharded parameter, the ``Shard`` of the checkpoint tensor it
-holds, which ``baton.models.loader.hf_layout`` turns into slices. Column-parallel weights hold a block of rows
+holds, which ``baton.models.checkpoint.hf_layout`` turns into slices. Column-parallel weights hold a block of rows
 (output features: heads, intermediate channels), row-parallel weights a block of columns (input features);
 a row-parallel projection's partial output is summed over ranks, with the residual added on rank 0 only.
 At one rank every class here is exactly the plain layer.

@@ -18,7 +18,7 @@ def to_hf_llama(model: nn.Module, device: torch.device | str | None = None,
     """A ``transformers.LlamaForCausalLM`` (eval mode) with the same weights as the baton llama ``model``.
 
     The config comes from ``model.config`` (``baton.config.config_to_dict``), the tensors from the checkpoint
-    layout (``baton.models.loader.hf_layout`` slots viewed in ``model``'s parameters). Where ``device`` and
+    layout (``baton.models.checkpoint.hf_layout`` slots viewed in ``model``'s parameters). Where ``device`` and
     ``dtype`` (default: those of ``model``) match, the HF parameters share storage with baton's (no copy);
     otherwise they are converted copies. Attention: ``attn_implementation`` (transformers' name; default
     ``"sdpa"``, torch's scaled_dot_product_attention). Raises ValueError for a target that is not a llama
@@ -28,7 +28,7 @@ def to_hf_llama(model: nn.Module, device: torch.device | str | None = None,
 
     from baton.config import LlamaConfig as BatonLlamaConfig
     from baton.config import config_to_dict
-    from baton.models.loader import hf_layout
+    from baton.models.checkpoint import hf_layout
 
     cfg = getattr(model, "config", None)
     model_type = getattr(cfg, "model_type", None)

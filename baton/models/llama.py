@@ -52,8 +52,7 @@ FUSED_MAX_ROWS = 16  # baton.ops.quant_cpu.cpu.GEMV_MAX_ROWS: more rows (prefill
 
 def _fused_cpu_step(layer: LlamaDecoderLayer, x: torch.Tensor, ctx: ForwardContext) -> bool:
     attn, mlp = layer.self_attn, layer.mlp
-    if (x.device.type != "cpu" or x.shape[0] > FUSED_MAX_ROWS or ctx.kv_len is None or torch.is_grad_enabled()
-            or ctx.block_causal_len is not None):
+    if x.device.type != "cpu" or x.shape[0] > FUSED_MAX_ROWS or ctx.kv_len is None or torch.is_grad_enabled():
         return False
     from baton.ops import quant_cpu
 
@@ -178,6 +177,3 @@ class LlamaForCausalLM(CausalLM):
         qweight = self.lm_head_quantized
         return super().draft_lm_head_bytes() if qweight is None else qweight.nbytes
 
-    def make_decoder_layer(self, layer_id: int, device=None, dtype=None) -> LlamaDecoderLayer:
-        """A fresh decoder layer of this architecture (a NEXTN head's body)."""
-        return LlamaDecoderLayer(layer_id, self.config, self.model.rope, device=device, dtype=dtype)

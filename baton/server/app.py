@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from baton import __version__
 from baton.config import ServerArgs
+from baton.engine.api import EngineAPI
 from baton.server.protocol import (
     Accumulated,
     ApiError,
@@ -62,18 +63,16 @@ _INLINE_ENCODE_CHARS = 16384  # longer prompts are tokenized off the event loop
 class ServerState:
     """What the routes share: the engine, its worker thread and the names the API reports."""
 
-    def __init__(self, engine: Any, server_args: ServerArgs) -> None:
+    def __init__(self, engine: EngineAPI, server_args: ServerArgs) -> None:
         self.engine = engine
         self.args = server_args
         self.worker = EngineWorker(engine)
         self.tokenizer = engine.tokenizer
         self.context_length: int = engine.context_length
-        self.model_path = server_args.model_path or getattr(engine, "model_path", None) or "embedded"
-        self.model_name: str = (
-            getattr(engine, "served_model_name", None) or server_args.served_model_name or self.model_path
-        )
+        self.model_path = server_args.model_path or engine.model_path or "embedded"
+        self.model_name: str = engine.served_model_name or server_args.served_model_name or self.model_path
         self.accepted_model_names = {self.model_name, "default", self.model_path}
-        self.vocab_size: int | None = getattr(getattr(engine, "model_config", None), "vocab_size", None)
+        self.vocab_size: int | None = engine.vocab_size
 
 
 def _state(request: Request) -> ServerState:
@@ -416,7 +415,6 @@ async def health(request: Request) -> Response:
 
 async def model_info(request: Request) -> Response:
     st = _state(request)
-    model_config = getattr(st.engine, "model_config", None)
     info: dict[str, Any] = {
         "model_path": st.model_path,
         "tokenizer_path": st.args.tokenizer_path or st.model_path,
@@ -425,7 +423,7 @@ async def model_info(request: Request) -> Response:
         "weight_version": "default",
         "has_image_understanding": False,
         "has_audio_understanding": False,
-        "model_type": getattr(model_config, "model_type", None),
+        "model_type": None,
         "architectures": None,
     }
     info.update(st.engine.model_info())
@@ -440,7 +438,7 @@ def _flat_server_args(args: ServerArgs) -> dict[str, Any]:
     return flat
 
 
-def _internal_state(engine: Any) -> dict[str, Any]:
+def _internal_state(engine: EngineAPI) -> dict[str, Any]:
     stats = engine.spec_stats
     hist = stats.accept_histogram
     state: dict[str, Any] = {
@@ -652,7 +650,7 @@ def _replay(messages: list[Message], receive: Receive) -> Receive:
     return replay
 
 
-def create_app(engine: Any, server_args: ServerArgs) -> FastAPI:
+def create_app(engine: EngineAPI, server_args: ServerArgs) -> FastAPI:
     """The FastAPI app serving ``engine``; its lifespan starts and stops the engine thread."""
     state = ServerState(engine, server_args)
 
@@ -799,7 +797,7 @@ class BatonServer(uvicorn.Server):
 _ABORT_MARGIN_S = 30.0
 
 
-def run_server(server_args: ServerArgs, engine_factory: Callable[[ServerArgs], Any]) -> None:
+def run_server(server_args: ServerArgs, engine_factory: Callable[[ServerArgs], EngineAPI]) -> None:
     """Build the engine, then serve it with uvicorn on ``server_args.host:port`` until SIGTERM / SIGINT; shut
     down as BatonServer says (bounded by ``--shutdown-timeout``), stop the engine thread and return."""
     level = server_args.log_level.lower()

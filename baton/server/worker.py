@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from baton import env
+from baton.engine.api import EngineAPI
 from baton.types import Request, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def _set_future(fut: asyncio.Future[Any], result: Any, exc: BaseException | None
 class EngineWorker:
     """Runs ``engine.generate`` for submitted requests on one dedicated thread, first come first served."""
 
-    def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: EngineAPI, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics or ServerMetrics()
         self._queue: queue.SimpleQueue[Job | _Call | None] = queue.SimpleQueue()

@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from baton import env
-from baton.spec.dspark import DSparkDraftModel
+from baton.models.dspark import DSparkDraftModel
 from baton.train.common import FrozenHead, Sample, autocast, fast_fp32_matmul
 from baton.train.dspark import block_outputs, sample_anchors
 from baton.train.online import TargetFeatures

@@ -245,7 +245,7 @@ def _dspark_options_from(dopts, path: str):
     import dataclasses
 
     from baton.config import ConfigError
-    from baton.spec.dspark_ckpt import read_dspark_config
+    from baton.models.dspark_checkpoint import read_dspark_config
 
     ck = read_dspark_config(path)
     if (ck.markov_rank > 0) != dopts.with_heads:
@@ -264,12 +264,12 @@ def _load_init_from(model, path: str, kind: str, target=None) -> None:
     """Fill the fp32 trainable ``model`` from the checkpoint at ``path`` (its dtype converted); a tensor the
     checkpoint lacks or shapes differently fails, naming it."""
     if kind == "nextn":
-        from baton.spec.drafts import load_safetensors_with_prefix, nextn_checkpoint_config
+        from baton.models.nextn_checkpoint import load_safetensors_with_prefix, nextn_checkpoint_config
 
         nextn_checkpoint_config(path, target)  # the checks the serving loader makes
         load_safetensors_with_prefix(model, path)
     else:
-        from baton.spec.dspark_ckpt import load_dspark_weights
+        from baton.models.dspark_checkpoint import load_dspark_weights
 
         load_dspark_weights(model, path, ignore_heads=False)
     log.info("--init-from %s: %s weights loaded", path, kind)
@@ -317,7 +317,7 @@ def data_server_args(ns: argparse.Namespace):
     drafts are otherwise on by default (the recipe's data step failed on that, 2026-11-30). None when the command
     line asks for speculation."""
     from baton.args import server_args_from
-    from baton.spec.shipped import DISABLE
+    from baton.speculative.shipped import DISABLE
 
     requested = ns.speculative_algorithm
     if (requested is not None and requested.lower() not in DISABLE) or ns.speculative_draft_model_path:
@@ -395,10 +395,10 @@ def cmd_dspark(ns: argparse.Namespace) -> int:
 def cmd_calibrate(ns: argparse.Namespace) -> int:
     import torch
 
-    from baton.models.load import materialize
+    from baton.models.build import materialize
+    from baton.models.dspark import DSparkDraftModel
+    from baton.models.dspark_checkpoint import build_target_layer_ids, load_dspark_weights, read_dspark_config
     from baton.plotting import can_plot
-    from baton.spec.dspark import DSparkDraftModel
-    from baton.spec.dspark_ckpt import build_target_layer_ids, load_dspark_weights, read_dspark_config
     from baton.train.calibrate import collect_confidence, fit_sts, greedy_first, plot_reliability, write_sts
     from baton.train.common import FrozenHead, read_samples, resolve_device
     from baton.train.online import TargetFeatures

@@ -1,6 +1,6 @@
 """DSpark and DFlash draft training (``baton train dspark``), dspark-dflash.md §3 and §4.2-4.5.
 
-Slot convention (DeepSpec, §0 convention 2, as baton/spec/dspark.py serves it): a block is
+Slot convention (DeepSpec, §0 convention 2, as baton/speculative/dspark.py serves it): a block is
 ``[anchor token, MASK x (gamma-1)]`` at positions ``a .. a+gamma-1`` and slot k (0-based) predicts the token
 at ``a+k+1``. Per sequence:
 
@@ -38,10 +38,10 @@ import torch
 import torch.nn.functional as F
 
 from baton.config import ConfigError, ModelConfig
-from baton.models.loader import init_dummy_weights
+from baton.models.checkpoint import init_dummy_weights
+from baton.models.dspark import DSparkDraftModel
+from baton.models.dspark_checkpoint import DSparkDraftConfig, draft_config_for, save_dspark_draft
 from baton.ops.linear import naive
-from baton.spec.dspark import DSparkDraftModel
-from baton.spec.dspark_ckpt import DSparkDraftConfig, draft_config_for, save_dspark_draft
 from baton.train.common import FrozenHead, Sample, Stats, masked_attention, to_device
 from baton.train.online import Features
 
@@ -119,7 +119,7 @@ def grow_draft(target_cfg: ModelConfig, dopts: DSparkOptions, num_layers: int, p
     The new layers' other weights keep ``build_trainable_draft``'s initialisation."""
     import dataclasses
 
-    from baton.spec.dspark_ckpt import load_dspark_weights
+    from baton.models.dspark_checkpoint import load_dspark_weights
 
     small, _ = build_trainable_draft(target_cfg, dataclasses.replace(dopts, init="random"), device, target)
     load_dspark_weights(small, path, ignore_heads=False)

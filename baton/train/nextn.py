@@ -4,7 +4,7 @@ The head has the Ling MTP layer's structure (``enorm``, ``hnorm``, ``eh_proj``, 
 target's own kind, ``final_layernorm``; baton/models/nextn.py) and shares the target's embedding and lm_head,
 which stay frozen and are not written into the checkpoint (``save_nextn_head``).
 
-Example at row t (the NEXTN convention of baton/spec/nextn.py): input (target final-normed hidden h_t,
+Example at row t (the NEXTN convention of baton/speculative/nextn.py): input (target final-normed hidden h_t,
 embedding of token t+1) at position t, label token t+2. Drafting then feeds the head's own hidden state back:
 chain step s (1-based) of row t sits at position t+s-1 with input (g^{s-1}_t, embed(token t+s)) and predicts
 token t+s+1, where g^0_t = h_t. Plain teacher forcing (s = 1 only) never shows the head its own hidden
@@ -33,11 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.config import ConfigError, ModelConfig
+from baton.models.checkpoint import init_dummy_weights
 from baton.models.llama import LlamaDecoderLayer
-from baton.models.loader import init_dummy_weights
 from baton.models.nextn import NextNLayer
+from baton.models.nextn_checkpoint import build_nextn_head, nextn_body_config, save_nextn_head
 from baton.ops.linear import naive
-from baton.spec.drafts import build_nextn_head, nextn_body_config, save_nextn_head
 from baton.train.common import FrozenHead, Sample, Stats, masked_attention
 from baton.train.online import Features
 

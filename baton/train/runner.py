@@ -17,9 +17,9 @@ from torch import nn
 
 from baton.config import ModelConfig, ServerArgs
 from baton.engine.engine import pick_device
+from baton.engine.load import load_target
 from baton.models.base import CausalLM
-from baton.models.load import load_target
-from baton.models.loader import cast_checkpoint, parse_dtype, quantize_checkpoint_fp8
+from baton.models.checkpoint import cast_checkpoint, parse_dtype, quantize_checkpoint_fp8
 from baton.train.common import (
     History,
     Sample,

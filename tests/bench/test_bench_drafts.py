@@ -30,9 +30,9 @@ def _gsm8k(root: Path) -> Path:
 @needs_embedded
 def test_bench_drafts_smoke_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from baton.config import parse_model_config
+    from baton.models.dspark_checkpoint import write_random_dspark_draft
     from baton.models.gguf import find_embedded_gguf, read_gguf_llama_config
-    from baton.spec.drafts import write_random_nextn_head
-    from baton.spec.dspark_ckpt import write_random_dspark_draft
+    from baton.models.nextn_checkpoint import write_random_nextn_head
 
     target = parse_model_config(read_gguf_llama_config(find_embedded_gguf()))
     nextn, dspark = tmp_path / "nextn", tmp_path / "dspark"

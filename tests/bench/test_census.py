@@ -61,9 +61,9 @@ def test_step_bytes_count_a_block_drafter(tmp_path):
     census of 2026-11-30 printed the plain step's floor for it)."""
     from baton.bench.census import block_draft_bytes, step_bytes
     from baton.config import load_model_config
-    from baton.spec.dspark_ckpt import write_random_dspark_draft
+    from baton.models.dspark_checkpoint import write_random_dspark_draft
     from tests.conftest import TINY_LLAMA
-    from tests.spec.conftest import make_engine, write_checkpoint
+    from tests.speculative.conftest import make_engine, write_checkpoint
 
     target = write_checkpoint(tmp_path, "llama", TINY_LLAMA)
     draft = str(tmp_path / "draft")
@@ -86,7 +86,7 @@ def test_step_bytes_count_the_fp8_draft_lm_head(tmp_path):
     from baton.config import ServerArgs, SpecConfig
     from baton.engine.engine import Engine
     from tests.conftest import TINY_LING
-    from tests.spec.conftest import write_checkpoint
+    from tests.speculative.conftest import write_checkpoint
 
     target = write_checkpoint(tmp_path, "ling", TINY_LING)
 

@@ -27,8 +27,8 @@ from baton.bench.gate import (
 from baton.bench.sweep import InProcessLauncher, SweepConfig
 from baton.cli import main as baton_main
 from baton.config import ServerArgs, SpecConfig
-from baton.spec.verify import Verdict
-from tests.spec.conftest import make_engine
+from baton.speculative.verify import Verdict
+from tests.speculative.conftest import make_engine
 
 NUM_TOKENS = 40
 PROMPTS = ["The history of the printing press", "def add(a, b):"]

@@ -11,8 +11,8 @@ import torch
 
 from baton import dist
 from baton.config import ConfigError, load_model_config, parse_model_config
-from baton.models.load import build_model, init_dummy
-from baton.models.loader import CheckpointError, Slot, hf_layout, load_safetensors, save_hf_checkpoint
+from baton.models.build import build_model, init_dummy
+from baton.models.checkpoint import CheckpointError, Slot, hf_layout, load_safetensors, save_hf_checkpoint
 from tests.conftest import TINY_LING, TINY_LLAMA
 
 TP = 2

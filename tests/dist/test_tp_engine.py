@@ -21,9 +21,9 @@ from baton.cli import main as baton_main
 from baton.config import ServerArgs, SpecConfig, load_model_config
 from baton.engine.engine import Engine
 from baton.engine.tp import run_tp
-from baton.spec.dspark_ckpt import write_random_dspark_draft
+from baton.models.dspark_checkpoint import write_random_dspark_draft
 from tests.dist.ranks import call_on_all, generate_all
-from tests.spec.test_dspark import _memorise_bigrams
+from tests.speculative.test_dspark import _memorise_bigrams
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [3, 5, 7, 11, 13, 17, 19, 23]

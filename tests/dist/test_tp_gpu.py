@@ -13,7 +13,7 @@ from baton import dist
 from baton.config import ServerArgs, SpecConfig, load_model_config
 from baton.engine.engine import Engine
 from baton.engine.tp import run_tp
-from baton.spec.dspark_ckpt import write_random_dspark_draft
+from baton.models.dspark_checkpoint import write_random_dspark_draft
 from tests.dist.ranks import generate_all
 
 pytestmark = [pytest.mark.gpu,

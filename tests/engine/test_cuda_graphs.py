@@ -11,7 +11,7 @@ from baton.config import ServerArgs, SpecConfig
 from baton.engine.engine import Engine
 from tests.conftest import TINY_LING
 from tests.helpers import full_logits, record_figure, tiny_model
-from tests.spec.test_spec_core import run
+from tests.speculative.test_spec_core import run
 
 pytestmark = pytest.mark.gpu
 
@@ -98,7 +98,7 @@ def test_gpu_logits_match_cpu_reference():
 
 def test_graph_replay_equals_uncaptured_dspark(ling_path, ckpt_root):
     from baton.config import load_model_config
-    from baton.spec.dspark_ckpt import write_random_dspark_draft
+    from baton.models.dspark_checkpoint import write_random_dspark_draft
 
     draft = str(ckpt_root / "gpu_dspark")
     write_random_dspark_draft(load_model_config(ling_path), draft, seed=3, block_size=4, markov_rank=16)
@@ -115,7 +115,7 @@ def test_graph_replay_equals_uncaptured_dspark_with_sps(ling_path, ckpt_root, tm
     import json
 
     from baton.config import load_model_config
-    from baton.spec.dspark_ckpt import write_random_dspark_draft
+    from baton.models.dspark_checkpoint import write_random_dspark_draft
 
     draft = str(ckpt_root / "gpu_dspark_sps")
     write_random_dspark_draft(load_model_config(ling_path), draft, seed=4, block_size=5, markov_rank=16)
@@ -150,18 +150,18 @@ def test_gate_embedded_on_gpu(algorithm, tmp_path):
     shipped drafts when this install has them (random drafts otherwise: the invariant holds for any draft)."""
     from baton.config import parse_model_config
     from baton.models.gguf import find_embedded_gguf, read_gguf_llama_config
-    from baton.spec.shipped import shipped_draft
+    from baton.speculative.shipped import shipped_draft
 
     path = shipped_draft(algorithm)
     if path is None:
         cfg = parse_model_config(read_gguf_llama_config(find_embedded_gguf()))
         path = str(tmp_path / algorithm.lower())
         if algorithm == "NEXTN":
-            from baton.spec.drafts import write_random_nextn_head
+            from baton.models.nextn_checkpoint import write_random_nextn_head
 
             write_random_nextn_head(cfg, path, seed=1)
         else:
-            from baton.spec.dspark_ckpt import write_random_dspark_draft
+            from baton.models.dspark_checkpoint import write_random_dspark_draft
 
             write_random_dspark_draft(cfg, path, seed=1, block_size=8, markov_rank=16)
     spec = {"algorithm": algorithm, "draft_model_path": path,

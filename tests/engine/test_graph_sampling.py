@@ -13,7 +13,7 @@ import torch
 from baton.config import ServerArgs, SpecConfig
 from baton.engine.engine import Engine
 from baton.ops.sampling import logits_to_probs, logits_to_probs_t, sample_from_probs
-from tests.spec.test_spec_core import PROMPT, run
+from tests.speculative.test_spec_core import PROMPT, run
 
 
 def _t(x, dtype=torch.float32):
@@ -46,7 +46,7 @@ def _graph_engine(path: str, **spec) -> Engine:
 @pytest.fixture(scope="module")
 def dspark_path(ling_path, ckpt_root):
     from baton.config import load_model_config
-    from baton.spec.dspark_ckpt import write_random_dspark_draft
+    from baton.models.dspark_checkpoint import write_random_dspark_draft
 
     draft = str(ckpt_root / "sampling_dspark")
     write_random_dspark_draft(load_model_config(ling_path), draft, seed=3, block_size=4, markov_rank=16)

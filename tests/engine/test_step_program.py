@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.spec.verify import greedy_verify_tokens, rejection_verify
-from tests.spec.conftest import make_engine
-from tests.spec.test_spec_core import run
+from baton.speculative.verify import greedy_verify_tokens, rejection_verify
+from tests.speculative.conftest import make_engine
+from tests.speculative.test_spec_core import run
 
 
 def test_step_program_runs_uncaptured_on_the_cpu(ling_path):
@@ -31,7 +31,7 @@ def test_sliced_cache_equals_the_whole_cache_with_a_mask(ling_path, spec):
 
 def test_sliced_cache_equals_the_whole_cache_llama_dspark(llama_path, ckpt_root):
     from baton.config import load_model_config
-    from baton.spec.dspark_ckpt import write_random_dspark_draft
+    from baton.models.dspark_checkpoint import write_random_dspark_draft
 
     draft = str(ckpt_root / "step_dspark_llama")
     write_random_dspark_draft(load_model_config(llama_path), draft, seed=5, block_size=4, num_layers=1,
@@ -61,7 +61,7 @@ def test_step_program_simulated_accept_dspark(ling_path, ckpt_root):
     """A DSpark drafter has no num_steps: the simulated counts come from its gamma (num_draft_tokens - 1). The
     census of a DSpark step on dummy weights failed on this (H200, 2026-11-30)."""
     from baton.config import load_model_config
-    from baton.spec.dspark_ckpt import write_random_dspark_draft
+    from baton.models.dspark_checkpoint import write_random_dspark_draft
 
     draft = str(ckpt_root / "graph_sim_dspark")
     write_random_dspark_draft(load_model_config(ling_path), draft, seed=3, block_size=8, num_layers=1,

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from baton.cli import main as baton_main
 from baton.config import load_model_config
-from baton.models.load import build_model
-from baton.models.loader import CheckpointError, load_safetensors
+from baton.models.build import build_model
+from baton.models.checkpoint import CheckpointError, load_safetensors
 from tests.conftest import TINY_LING, TINY_LLAMA
 
 
@@ -50,7 +50,7 @@ def test_round_trip_bit_exact(tmp_path, cfg_dict):
     cfg = load_model_config(path)
     model = build_model(cfg, "cpu", torch.float32)
     load_safetensors(model, path)
-    from baton.models.loader import hf_layout
+    from baton.models.checkpoint import hf_layout
 
     params = dict(model.named_parameters())
     layout = hf_layout(model)

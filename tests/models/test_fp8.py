@@ -13,12 +13,12 @@ from safetensors.torch import load_file, save_file
 
 from baton.config import ServerArgs, SpecConfig, load_model_config
 from baton.engine.engine import Engine
-from baton.models.load import build_model
-from baton.models.loader import CheckpointError, hf_layout, init_dummy_weights, load_safetensors, save_hf_checkpoint
+from baton.models.build import build_model
+from baton.models.checkpoint import CheckpointError, hf_layout, init_dummy_weights, load_safetensors, save_hf_checkpoint
 from baton.ops.quant import FP8_DTYPE, dequantize_fp8_block, quantize_fp8_block
 from tests.conftest import TINY_LING
 from tests.helpers import full_logits
-from tests.spec.test_spec_core import PROMPT, run
+from tests.speculative.test_spec_core import PROMPT, run
 
 
 def _engine(path: str, **kw) -> Engine:
@@ -101,7 +101,7 @@ def test_dummy_fp8_engine_runs(ling_path):
 def test_fake_quantize_mlp_fp8_rounds_every_mlp_matrix_once():
     """The dense stand-in for fp8 experts: every gate, up and down matrix of a Llama model goes through e4m3 with
     block scales (a small relative change, nothing else touched), and doing it twice changes nothing more."""
-    from baton.ops.quant import fake_quantize_mlp_fp8
+    from baton.layers.fake_quant import fake_quantize_mlp_fp8
     from tests.conftest import TINY_LLAMA
     from tests.helpers import tiny_model
 

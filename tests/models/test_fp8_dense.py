@@ -18,13 +18,13 @@ from baton import dist
 from baton.config import ServerArgs, SpecConfig, load_model_config
 from baton.engine.engine import Engine
 from baton.layers.linear import Linear
-from baton.models.load import _apply_quantization, build_model, init_dummy
-from baton.models.loader import hf_layout, init_dummy_weights, load_safetensors, save_hf_checkpoint
+from baton.models.build import apply_quantization, build_model, init_dummy
+from baton.models.checkpoint import hf_layout, init_dummy_weights, load_safetensors, save_hf_checkpoint
 from baton.ops.quant import FP8_DTYPE, quantize_fp8_block
 from tests.conftest import TINY_LING
 from tests.helpers import full_logits, record_figure
 from tests.ops.triton_support import interpreted_module
-from tests.spec.test_spec_core import PROMPT, run
+from tests.speculative.test_spec_core import PROMPT, run
 
 IDS = torch.tensor([3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59])
 
@@ -37,7 +37,7 @@ TP_LING = {**TINY_LING, "moe_intermediate_size": 256, "num_experts": 8, "n_group
 
 @pytest.fixture(scope="module")
 def ling_tp_path(tmp_path_factory) -> str:
-    from tests.spec.conftest import write_checkpoint
+    from tests.speculative.conftest import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("fp8_tp"), "ling_tp", TP_LING)
 
@@ -154,7 +154,7 @@ def test_dummy_fp8_dense_is_the_fp32_dummy_quantised(ling_path):
     cfg = load_model_config(ling_path)
     ref = build_model(cfg, "cpu", torch.float32)
     init_dummy_weights(ref, 3)
-    _apply_quantization(cfg, "fp8")
+    apply_quantization(cfg, "fp8")
     fp8 = build_model(cfg, "cpu", torch.float32)
     init_dummy_weights(fp8, 3)
     params, ref_params = dict(fp8.named_parameters()), dict(ref.named_parameters())
@@ -233,7 +233,7 @@ def test_tp2_rank_slices_quantised_on_their_own(ling_tp_path):
     loads at TP2 too (unaligned parts dequantised and quantised again, aligned ones copied)."""
     tensors = load_file(os.path.join(ling_tp_path, "model.safetensors"))
     cfg = load_model_config(ling_tp_path)
-    _apply_quantization(cfg, "fp8")
+    apply_quantization(cfg, "fp8")
     rows = TINY_LING["num_attention_heads"] * TINY_LING["head_dim"]
     for rank in range(2):
         with dist.layout_context(rank, 2):
@@ -266,7 +266,7 @@ def test_tp2_fp8_checkpoint_loads(ling_tp_path, tmp_path):
 def test_tp2_dummy_fp8_dense(ling_tp_path):
     """Tensor-parallel dummy fp8 dense weights: each rank's part of the single-rank fp32 draw, quantised on its own."""
     cfg = load_model_config(ling_tp_path)
-    _apply_quantization(cfg, "fp8")
+    apply_quantization(cfg, "fp8")
     ref_cfg = load_model_config(ling_tp_path)
     ref = build_model(ref_cfg, "cpu", torch.float32)
     init_dummy_weights(ref, 0)
@@ -291,7 +291,7 @@ def _ranks_dequantised_checkpoint(path: str, out: str) -> None:
     from baton.ops.quant import dequantize_fp8_block
 
     cfg = load_model_config(path)
-    _apply_quantization(cfg, "fp8")
+    apply_quantization(cfg, "fp8")
     full = {n: t.clone() for n, t in load_file(os.path.join(path, "model.safetensors")).items()}
     for rank in range(2):
         with dist.layout_context(rank, 2):
@@ -407,7 +407,8 @@ def test_fake_quantize_dense_fp8_rounds_every_dense_matrix_once():
     """The CPU emulation of an fp8 dense target for a model without fp8 layers (the embedded SmolLM2, a llama): every
     checkpoint matrix of its attention and MLP rounded through e4m3 in place (the fused q/k/v each on its own), the
     embeddings / tied lm_head left alone; rounding twice changes nothing."""
-    from baton.ops.quant import dequantize_fp8_block, fake_quantize_dense_fp8
+    from baton.layers.fake_quant import fake_quantize_dense_fp8
+    from baton.ops.quant import dequantize_fp8_block
     from tests.conftest import TINY_LLAMA
     from tests.helpers import tiny_model
 

@@ -15,7 +15,7 @@ from baton.config import ConfigError, LingConfig, parse_model_config
 from baton.layers.context import ForwardContext
 from baton.layers.mla import MLAttention
 from baton.layers.rope import RotaryEmbedding
-from baton.models.load import build_model
+from baton.models.build import build_model
 from baton.ops.moe import grouped_topk
 from baton.types import ForwardMode
 from tests.conftest import TINY_LING, TINY_LLAMA

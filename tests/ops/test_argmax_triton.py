@@ -12,8 +12,9 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
+from baton.models.dspark import MarkovHead  # noqa: E402
 from baton.ops.argmax import naive  # noqa: E402
-from baton.spec.dspark import MarkovHead, markov_propose  # noqa: E402
+from baton.speculative.dspark import markov_propose  # noqa: E402
 from baton.types import SamplingParams  # noqa: E402
 from tests.ops.triton_support import load_triton_module  # noqa: E402
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from baton.config import ServerArgs
+from baton.engine.api import RequestTrace
 from baton.types import Request, SpecStats, StepOutput
 
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -71,9 +72,9 @@ class FakeEngine:
     ) -> None:
         self.server_args = ServerArgs(model_path="fake-model", served_model_name=served_model_name)
         self.tokenizer = CharTokenizer()
-        self.model_config = None
         self.context_length = context_length
         self.spec_stats = SpecStats()
+        self.vocab_size: int | None = None
         self.model_path = "fake-model"
         self.served_model_name = served_model_name
         self.step_delay = step_delay
@@ -85,6 +86,7 @@ class FakeEngine:
         self.flush_count = 0
         self.max_active = 0
         self.thread_ids: set[int] = set()
+        self.observers: list[Callable[[RequestTrace], None]] = []
         self._active = 0
 
     # ---- contract ----
@@ -102,14 +104,21 @@ class FakeEngine:
         self.started.append(req.rid)
         self._active += 1
         self.max_active = max(self.max_active, self._active)
+        self._output: list[int] = []
         try:
             yield from self._generate(req, should_abort or (lambda: False))
         finally:
             self._active -= 1
+            sequence = list(req.input_ids) + self._output
+            for fn in self.observers:
+                fn(RequestTrace(req.rid, sequence, len(sequence)))
 
     def flush_cache(self) -> None:
         self.flush_count += 1
         self.spec_stats.reset()
+
+    def add_observer(self, fn: Callable[[RequestTrace], None]) -> None:
+        self.observers.append(fn)
 
     def model_info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True}
@@ -125,6 +134,7 @@ class FakeEngine:
         if "RAISE" in prompt and "RAISE_LATE" not in prompt:
             raise RuntimeError("fake engine failure")
         state = _DecodeState(req, self)
+        self._output = state.output_ids
         if state.finish is not None:  # max_new_tokens == 0
             self.finished[req.rid] = "length"
             yield StepOutput([], "", True, state.finish)

@@ -11,7 +11,7 @@ import torch
 
 from baton.cli import main as baton_main
 from tests.conftest import TINY_LLAMA
-from tests.spec.conftest import write_checkpoint
+from tests.speculative.conftest import write_checkpoint
 
 TINY_UNTIED = {**TINY_LLAMA, "tie_word_embeddings": False}
 PROMPTS = [[5, 17, 42, 8, 3], [60, 11, 29, 33], [7, 7, 9], [23, 54, 2, 90, 71, 12], [44, 18, 66], [81, 3, 3, 40, 9],

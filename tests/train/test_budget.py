@@ -10,7 +10,7 @@ from torch import nn
 from baton.train import common, data
 from baton.train.common import Sample, TrainOptions, lr_at, replan, train_loop
 from baton.train.data import DataOptions, generate_records, generate_records_hf, plan_jobs
-from tests.spec.conftest import make_engine
+from tests.speculative.conftest import make_engine
 from tests.train.conftest import PROMPTS
 
 

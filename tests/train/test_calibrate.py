@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.spec.dspark import load_sts_temperatures
+from baton.speculative.dspark import load_sts_temperatures
 from baton.train.calibrate import ece, fit_sts, write_sts
 
 

@@ -8,7 +8,7 @@ from baton.cli import main as baton_main
 from baton.train.common import read_jsonl, read_samples
 from baton.train.data import parse_settings, sample_seed, split_prompts
 from baton.types import Request, SamplingParams
-from tests.spec.conftest import make_engine
+from tests.speculative.conftest import make_engine
 from tests.train.conftest import PROMPTS
 
 

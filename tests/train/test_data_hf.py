@@ -14,7 +14,7 @@ from baton.train import data
 from baton.train.common import read_jsonl
 from baton.train.data import DataOptions, generate_records, generate_records_hf, plan_jobs
 from tests.conftest import TINY_LING
-from tests.spec.conftest import make_engine
+from tests.speculative.conftest import make_engine
 from tests.train.conftest import PROMPTS
 
 pytest.importorskip("transformers")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from baton.cli import main as baton_main
 from baton.config import ConfigError, ServerArgs
-from baton.spec.dspark import DSparkDrafter, load_sts_temperatures
+from baton.speculative.dspark import DSparkDrafter, load_sts_temperatures
 from baton.train.common import FrozenHead, Sample
 from baton.train.dspark import (
     DSparkOptions,
@@ -32,7 +32,7 @@ from baton.train.evaluate import holdout_prompts, measure_accept_length
 from baton.train.online import TargetFeatures
 from baton.train.runner import load_frozen_target
 from baton.types import Request, SamplingParams
-from tests.spec.conftest import make_engine
+from tests.speculative.conftest import make_engine
 from tests.train.conftest import train_cli
 
 CPU = torch.device("cpu")
@@ -333,7 +333,7 @@ def test_grow_layers_keeps_the_function_and_fp8_storage_loads(tmp_path, target_p
     from safetensors.torch import load_file
 
     from baton.config import load_model_config
-    from baton.spec.dspark_ckpt import write_random_dspark_draft
+    from baton.models.dspark_checkpoint import write_random_dspark_draft
 
     train, _ = greedy_data
     start = str(tmp_path / "start")
@@ -370,7 +370,7 @@ def test_grow_layers_keeps_the_function_and_fp8_storage_loads(tmp_path, target_p
 
 def test_grow_layers_needs_init_from_and_more_layers(tmp_path, target_path, greedy_data, capsys):
     from baton.config import load_model_config
-    from baton.spec.dspark_ckpt import write_random_dspark_draft
+    from baton.models.dspark_checkpoint import write_random_dspark_draft
 
     train, _ = greedy_data
     start = str(tmp_path / "start")

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import load_file
 
 from baton.config import load_model_config
-from baton.spec.drafts import write_random_nextn_head
-from baton.spec.dspark_ckpt import write_random_dspark_draft
+from baton.models.dspark_checkpoint import write_random_dspark_draft
+from baton.models.nextn_checkpoint import write_random_nextn_head
 from tests.train.conftest import train_cli
 
 

@@ -18,7 +18,7 @@ from baton.train.nextn import NextNOptions, build_trainable_head, chain_mask, st
 from baton.train.online import TargetFeatures
 from baton.train.runner import load_frozen_target
 from baton.types import ForwardMode, Request, SamplingParams
-from tests.spec.conftest import make_engine
+from tests.speculative.conftest import make_engine
 
 CPU = torch.device("cpu")
 

@@ -22,8 +22,9 @@ H200_BANDWIDTH = 4.2e12
 
 
 def bench_argmax(vocabs=(49152, 157184), rows=(1, 4, 9), gamma: int = 8, rank: int = 16) -> list[dict]:
+    from baton.models.dspark import MarkovHead
     from baton.ops.argmax import triton as fast
-    from baton.spec.dspark import MarkovHead, markov_propose
+    from baton.speculative.dspark import markov_propose
     from baton.types import SamplingParams
 
     assert torch.cuda.is_available(), "the argmax bench needs CUDA"

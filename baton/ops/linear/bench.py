@@ -82,7 +82,7 @@ def ling_tp_shapes(tp_size: int) -> list[BenchShape]:
 
     from baton import dist
     from baton.config import parse_model_config
-    from baton.models.load import build_model
+    from baton.models.build import build_model
 
     cfg = parse_model_config(json.loads(resources.files("baton.data").joinpath("ling-3.0-flash.config.json")
                                         .read_text()))

@@ -5,8 +5,6 @@ from baton.ops.quant.fp8 import (
     dequantize_fp8_block,
     dequantize_fp8_gate_up,
     dequantize_fp8_rows,
-    fake_quantize_dense_fp8,
-    fake_quantize_mlp_fp8,
     part_blocks,
     quantize_fp8_block,
     quantize_fp8_gate_up,
@@ -16,7 +14,6 @@ from baton.ops.quant.fp8 import (
 )
 
 __all__ = [
-    "FP8_DTYPE", "dequantize_fp8_block", "dequantize_fp8_gate_up", "dequantize_fp8_rows", "fake_quantize_dense_fp8",
-    "fake_quantize_mlp_fp8", "part_blocks", "quantize_fp8_block", "quantize_fp8_gate_up", "quantize_fp8_parts",
-    "row_block_map", "scale_shape",
+    "FP8_DTYPE", "dequantize_fp8_block", "dequantize_fp8_gate_up", "dequantize_fp8_rows", "part_blocks",
+    "quantize_fp8_block", "quantize_fp8_gate_up", "quantize_fp8_parts", "row_block_map", "scale_shape",
 ]

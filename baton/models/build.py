@@ -1,5 +1,6 @@
 """Build the target model from ServerArgs: the embedded SmolLM2 GGUF by default, a GGUF file, or a Hugging
-Face directory (safetensors, or ``--load-format dummy`` for deterministic random weights), with its tokenizer.
+Face directory (safetensors, or ``--load-format dummy`` for deterministic random weights). Its tokenizer is
+paired with it one level up (baton.engine.load), so models never import the tokenizer.
 
 Parameters are created on the meta device and materialised directly on the target device in the target
 dtype, so a full-size dummy model never exists on the host.
@@ -18,7 +19,7 @@ from baton import dist, env
 from baton.config import ConfigError, LingConfig, ModelConfig, ServerArgs, load_model_config, parse_model_config
 from baton.layers.rope import RotaryEmbedding
 from baton.models.base import CausalLM
-from baton.models.loader import init_dummy_weights, load_safetensors, load_tensors
+from baton.models.checkpoint import init_dummy_weights, load_safetensors, load_tensors
 from baton.models.registry import model_class
 
 log = logging.getLogger(__name__)
@@ -27,12 +28,11 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
 @dataclass
-class LoadedModel:
+class BuiltModel:
     model: CausalLM
     config: ModelConfig
-    tokenizer: object
-    model_path: str
-    tokenizer_path: str | None
+    model_path: str  # the absolute directory, the absolute .gguf path, or "embedded"
+    gguf_path: str | None  # the file it was read from, when it is a GGUF (its tokenizer lives in it)
 
 
 def materialize(model: nn.Module, device: torch.device) -> nn.Module:
@@ -64,7 +64,7 @@ def init_dummy(model: CausalLM, cfg: ModelConfig, seed: int, dtype: torch.dtype)
     init_dummy_weights(model, seed, full_model=full)
 
 
-def load_target(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def build_target(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> BuiltModel:
     if args.load_format not in LOAD_FORMATS:
         raise ConfigError(f"--load-format {args.load_format}: choose one of {', '.join(LOAD_FORMATS)}")
     path = args.model_path
@@ -73,19 +73,17 @@ def load_target(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> L
     if not os.path.isdir(path):
         raise ConfigError(f"--model-path {path}: not a directory or a .gguf file")
     cfg = load_model_config(path, args.json_model_override_args)
-    _apply_quantization(cfg, args.quantization)
+    apply_quantization(cfg, args.quantization)
     model = build_model(cfg, device, dtype)
     if args.load_format == "dummy":
         init_dummy(model, cfg, args.seed, dtype)
     else:
         load_safetensors(model, path, ignore_prefixes=_ignored_prefixes(cfg))
-    tok_path = args.tokenizer_path or path
-    return LoadedModel(model, cfg, _tokenizer_for(tok_path, cfg), os.path.abspath(path), tok_path)
+    return BuiltModel(model, cfg, os.path.abspath(path), None)
 
 
-def _load_gguf(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+def _load_gguf(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> BuiltModel:
     from baton.models.gguf import find_embedded_gguf, read_gguf_llama
-    from baton.tokenizer import load_tokenizer
 
     gguf_path = find_embedded_gguf() if args.is_embedded else args.model_path
     if gguf_quantized_path(args, device):
@@ -99,8 +97,7 @@ def _load_gguf(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> Lo
         else:
             load_tensors(model, tensors.items(), total=len(tensors))
     name = "embedded" if args.is_embedded else os.path.abspath(gguf_path)
-    tokenizer = load_tokenizer(args.tokenizer_path) if args.tokenizer_path else load_tokenizer(gguf_path=gguf_path)
-    return LoadedModel(model, cfg, tokenizer, name, args.tokenizer_path or name)
+    return BuiltModel(model, cfg, name, gguf_path)
 
 
 def gguf_quantized_path(args: ServerArgs, device: torch.device) -> bool:
@@ -119,8 +116,8 @@ def _load_gguf_quantized(path: str, args: ServerArgs, device: torch.device, dtyp
     from gguf.constants import GGMLQuantizationType as T
 
     from baton.layers.linear import QuantizedWeight, quantize_weight_
+    from baton.models.checkpoint import hf_layout
     from baton.models.gguf import read_gguf_llama_quantized
-    from baton.models.loader import hf_layout
 
     torch.set_num_threads(env.num_threads())  # the cores this process may use (matmuls and Inductor's kernels)
     formats = {T.Q4_1: "q4_1", T.Q8_0: "q8_0"}
@@ -153,7 +150,7 @@ def _load_gguf_quantized(path: str, args: ServerArgs, device: torch.device, dtyp
     return cfg, model
 
 
-def _apply_quantization(cfg: ModelConfig, quantization: str | None) -> None:
+def apply_quantization(cfg: ModelConfig, quantization: str | None) -> None:
     """``--quantization fp8``: routed experts and dense projections in fp8 e4m3 with 128 x 128 block scales
     (quantised at load from a bf16 checkpoint, or drawn so for dummy weights); ``fp8-experts``: the routed experts
     only. Router, embeddings and lm_head stay in the model dtype (``LingConfig.fp8_dense`` lists what else does). An
@@ -176,27 +173,3 @@ def _ignored_prefixes(cfg: ModelConfig) -> tuple[str, ...]:
     if getattr(cfg, "num_nextn_predict_layers", 0) == 0:
         return (f"model.layers.{cfg.num_hidden_layers}.",)
     return ()
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "tiktoken.model")
-
-
-def _tokenizer_for(path: str, cfg: ModelConfig):
-    import os
-
-    from baton.tokenizer import IdTokenizer, load_tokenizer
-
-    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f)) for f in _TOKENIZER_FILES):
-        # a config-only directory (dummy weights): no tokenizer to try, and no transformers warnings about it
-        log.warning("no tokenizer files in %s; using raw token ids as text", path)
-        return IdTokenizer(cfg.vocab_size, _first_eos(cfg))
-    try:
-        return load_tokenizer(path)
-    except Exception as e:  # no tokenizer files beside a dummy config: fall back to raw token ids
-        log.warning("no tokenizer at %s (%s); using raw token ids as text", path, e)
-        return IdTokenizer(cfg.vocab_size, _first_eos(cfg))
-
-
-def _first_eos(cfg: ModelConfig) -> int | None:
-    eos = getattr(cfg, "eos_token_id", None)
-    return eos[0] if isinstance(eos, list) else eos

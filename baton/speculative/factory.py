@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from baton.config import ConfigError, SpecConfig
-from baton.spec.base import Drafter
+from baton.speculative.base import Drafter
 
 if TYPE_CHECKING:
     from baton.engine.engine import Engine
@@ -14,11 +14,11 @@ if TYPE_CHECKING:
 def build_drafter(engine: Engine, spec: SpecConfig) -> Drafter:
     max_len = engine.context_length + spec.num_draft_tokens + 1
     if spec.algorithm == "NEXTN":
-        from baton.spec.nextn import NextNDrafter
+        from baton.speculative.nextn import NextNDrafter
 
         head = getattr(engine.model, "mtp", None)
         if spec.draft_model_path:
-            from baton.spec.drafts import load_nextn_head
+            from baton.models.nextn_checkpoint import load_nextn_head
 
             head = load_nextn_head(spec.draft_model_path, engine.model, engine.device, engine.dtype)
         if head is None:
@@ -26,7 +26,7 @@ def build_drafter(engine: Engine, spec: SpecConfig) -> Drafter:
                               "(num_nextn_predict_layers > 0) or --speculative-draft-model-path to a NEXTN head")
         return NextNDrafter(engine.model, head, spec.num_steps, max_len, engine.dtype, engine.device)
     if spec.algorithm in ("DSPARK", "DFLASH"):
-        from baton.spec.dspark import build_dspark_drafter
+        from baton.speculative.dspark import build_dspark_drafter
 
         return build_dspark_drafter(engine, spec, max_len)
     raise ConfigError(f"unknown speculative algorithm {spec.algorithm}")

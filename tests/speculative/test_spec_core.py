@@ -8,9 +8,9 @@ import torch
 
 from baton.config import ConfigError, SpecConfig
 from baton.layers.context import ModelRunner
-from baton.spec.base import Drafter
+from baton.speculative.base import Drafter
 from baton.types import ForwardMode, Request, SamplingParams
-from tests.spec.conftest import make_engine
+from tests.speculative.conftest import make_engine
 
 PROMPT = [5, 17, 3, 42, 8, 23, 11, 60, 2 + 7, 31, 4, 19]
 
@@ -74,7 +74,7 @@ def test_oracle_draft_accepts_everything(plain, ling_path, llama_path, llama_nex
     path = ling_path if target == "ling" else llama_path
     extra = {} if target == "ling" else {"draft_model_path": llama_nextn_path}
     engine = make_engine(path, algorithm="NEXTN", num_steps=k, **extra)
-    engine.drafter = OracleDrafter(PROMPT + plain[target], k, engine.drafter)
+    engine.set_drafter(OracleDrafter(PROMPT + plain[target], k, engine.drafter))
     tokens, verify = run(engine)
     assert tokens == plain[target]
     assert engine.spec_stats.accept_histogram.get(k, 0) == verify - 1 or verify * (k + 1) >= len(tokens)
@@ -101,8 +101,11 @@ def test_committed_kda_state_equals_plain(ling_path, steps):
     """After a speculative run the committed recurrent and conv states equal plain decoding's, to 1e-5
     (relative, Frobenius): fp32 GEMMs over T verify rows round differently from T single-row ones."""
     engine = make_engine(ling_path, algorithm="NEXTN", num_steps=steps)
+    traces = []
+    engine.add_observer(traces.append)
     run(engine, max_new_tokens=37)
-    committed = engine.last_sequence[: engine.last_pos]
+    (trace,) = traces
+    committed = trace.sequence[: trace.committed]
     reference = _plain_decode_states(engine, committed, len(PROMPT))
     for got, want in zip(engine.runner.cache.kda_states(), reference, strict=True):
         assert _rel_err(got.recurrent, want.recurrent) < 1e-5
@@ -145,7 +148,7 @@ def test_flag_errors(llama_path, tmp_path):
 def test_draft_for_other_vocab_is_refused(ckpt_root, llama_path):
     from baton.cli import main as baton_main
     from tests.conftest import TINY_LLAMA
-    from tests.spec.conftest import write_checkpoint
+    from tests.speculative.conftest import write_checkpoint
 
     other = write_checkpoint(ckpt_root, "llama_other_vocab", {**TINY_LLAMA, "vocab_size": 77})
     out = str(ckpt_root / "other_nextn")
@@ -157,7 +160,7 @@ def test_draft_for_other_vocab_is_refused(ckpt_root, llama_path):
 @pytest.fixture(scope="module")
 def random_dspark(ckpt_root, ling_path, llama_path):
     from baton.config import load_model_config
-    from baton.spec.dspark_ckpt import write_random_dspark_draft
+    from baton.models.dspark_checkpoint import write_random_dspark_draft
 
     out = {}
     for name, path in (("ling", ling_path), ("llama", llama_path)):
@@ -183,7 +186,7 @@ def test_random_block_draft_greedy_equals_plain(plain, ling_path, llama_path, ra
 def test_oracle_block_draft_accepts_everything(plain, ling_path, random_dspark, gamma):
     engine = make_engine(ling_path, algorithm="DSPARK", draft_model_path=random_dspark["ling"],
                          num_draft_tokens=gamma + 1)
-    engine.drafter = OracleDrafter(PROMPT + plain["ling"], gamma, engine.drafter)
+    engine.set_drafter(OracleDrafter(PROMPT + plain["ling"], gamma, engine.drafter))
     tokens, verify = run(engine)
     assert tokens == plain["ling"]
     assert verify == -(-(len(tokens) - 1) // (gamma + 1))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.spec.verify import greedy_verify, rejection_verify
+from baton.speculative.verify import greedy_verify, rejection_verify
 
 V = 6
 N = 20000

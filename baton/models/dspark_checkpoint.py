@@ -33,7 +33,7 @@ from safetensors import safe_open
 from torch import nn
 
 from baton.config import ConfigError, ModelConfig
-from baton.models.loader import (
+from baton.models.checkpoint import (
     count_tensors,
     hf_layout,
     init_dummy_weights,
@@ -44,7 +44,7 @@ from baton.models.loader import (
 )
 
 if TYPE_CHECKING:
-    from baton.spec.dspark import DSparkDraftModel
+    from baton.models.dspark import DSparkDraftModel
 
 DSPARK_TYPE = "baton_dspark"
 HEAD_PREFIXES = ("markov_head.", "confidence_head.")
@@ -198,7 +198,7 @@ def write_random_dspark_draft(target_cfg: ModelConfig, path: str, seed: int = 0,
     ``with_heads=False`` writes a DFlash draft (no Markov / confidence heads). The mask token defaults to the
     last vocabulary id (``vocab_size - 1``), which real vocabularies pad; the tapped layers default to
     ``build_target_layer_ids(target layers, num_layers)``."""
-    from baton.spec.dspark import DSparkDraftModel
+    from baton.models.dspark import DSparkDraftModel
 
     cfg = draft_config_for(target_cfg, block_size, num_layers, markov_rank if with_heads else 0, mask_token_id,
                            target_layer_ids, qk_norm)

@@ -15,7 +15,7 @@ import torch
 from baton.config import ConfigError, LingConfig, ModelConfig, config_to_dict, parse_model_config
 from baton.layers.rope import RotaryEmbedding
 from baton.models.base import CausalLM
-from baton.models.loader import hf_layout, init_dummy_weights, load_safetensors, save_hf_checkpoint
+from baton.models.checkpoint import hf_layout, init_dummy_weights, load_safetensors, save_hf_checkpoint
 from baton.models.nextn import NextNLayer
 
 NEXTN_TYPE = "baton_nextn"
@@ -74,7 +74,7 @@ def nextn_checkpoint_config(path: str, target: CausalLM) -> ModelConfig:
 
 
 def load_safetensors_with_prefix(head: NextNLayer, path: str) -> None:
-    from baton.models.loader import count_tensors, iter_safetensors, load_tensors, safetensors_files
+    from baton.models.checkpoint import count_tensors, iter_safetensors, load_tensors, safetensors_files
 
     files = safetensors_files(path)
     load_tensors(head, iter_safetensors(files), total=count_tensors(files), layout=hf_layout(head, _NEXTN_PREFIX),

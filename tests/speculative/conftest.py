@@ -27,6 +27,6 @@ def make_engine(model_path: str, **spec) -> Engine:
 def plain(ling_path, llama_path) -> dict[str, list[int]]:
     """Plain greedy decoding of ``test_spec_core.PROMPT`` on the tiny Ling and Llama targets: what every greedy
     speculative run must reproduce."""
-    from tests.spec.test_spec_core import run  # (that module imports this one)
+    from tests.speculative.test_spec_core import run  # (that module imports this one)
 
     return {name: run(make_engine(path))[0] for name, path in (("ling", ling_path), ("llama", llama_path))}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from baton.config import ServerArgs, SpecConfig
-from baton.spec.shipped import shipped_draft
-from tests.spec.test_spec_core import run
+from baton.speculative.shipped import shipped_draft
+from tests.speculative.test_spec_core import run
 
 PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 9707, 30, 2683, 314, 216, 34, 1232, 216, 34, 47]]
 

@@ -81,18 +81,6 @@ def rejection_verify(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | Non
     return Verdict(num_accepted, bonus, _assemble(draft_tokens, num_accepted, bonus))
 
 
-def forced_verdict(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, target_logits: torch.Tensor,
-                   target_probs: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Verdict:
-    """--speculative-simulate-accept-len: the accepted count is given (a device tensor); the bonus is the
-    target's token at that row (argmax, or a sample from ``target_probs``)."""
-    idx = num_accepted.reshape(1)
-    if target_probs is None:
-        bonus = target_logits.index_select(0, idx).argmax(-1)[0]
-    else:
-        bonus = sample_from_probs(target_probs.index_select(0, idx), generator)[0]
-    return verdict_from(draft_tokens, num_accepted, bonus)
-
-
 def verdict_from(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, bonus: torch.Tensor) -> Verdict:
     """A verdict with a given accepted count (device tensor) and bonus token."""
     a = num_accepted.reshape(())

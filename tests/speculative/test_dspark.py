@@ -12,10 +12,16 @@ from safetensors.torch import load_file, save_file
 
 from baton.config import ConfigError, ServerArgs, SpecConfig, load_model_config, parse_model_config
 from baton.engine.engine import Engine
-from baton.models.loader import CheckpointError, hf_layout
-from baton.spec.dspark import (
-    DSparkDraftModel,
-    MarkovHead,
+from baton.models.checkpoint import CheckpointError, hf_layout
+from baton.models.dspark import DSparkDraftModel, MarkovHead
+from baton.models.dspark_checkpoint import (
+    build_target_layer_ids,
+    load_dspark_weights,
+    parse_dspark_config,
+    read_dspark_config,
+    write_random_dspark_draft,
+)
+from baton.speculative.dspark import (
     SpsTable,
     load_sts_temperatures,
     markov_propose,
@@ -23,13 +29,6 @@ from baton.spec.dspark import (
     prefix_len_device,
     resolve_dspark_spec,
     survival,
-)
-from baton.spec.dspark_ckpt import (
-    build_target_layer_ids,
-    load_dspark_weights,
-    parse_dspark_config,
-    read_dspark_config,
-    write_random_dspark_draft,
 )
 from baton.types import Request, SamplingParams
 from tests.conftest import TINY_LING, TINY_LLAMA
@@ -39,7 +38,7 @@ ARCHS = {"llama": TINY_LLAMA, "ling": TINY_LING}
 
 @pytest.fixture(scope="module")
 def targets(llama_path, ling_path) -> dict[str, str]:
-    """Random HF checkpoint directories of the tiny architectures (tests/spec/conftest.py)."""
+    """Random HF checkpoint directories of the tiny architectures (tests/speculative/conftest.py)."""
     return {"llama": llama_path, "ling": ling_path}
 
 
@@ -343,7 +342,7 @@ def test_block_8_draft_served_at_gamma_4_equals_plain(tmp_path, targets, plain, 
     sps.write_text(json.dumps({"verify_tokens": [1], "step_time_ms": [10.0]}))
     spec = SpecConfig(algorithm="DSPARK", draft_model_path=draft, num_draft_tokens=5,
                       dspark_sps_table_path=str(sps), dspark_confidence_sts_path=str(sts))
-    with caplog.at_level("INFO", logger="baton.spec.dspark"):
+    with caplog.at_level("INFO", logger="baton.speculative.dspark"):
         engine = _engine(targets[arch], spec)
     assert [r.levelname for r in caplog.records if "block size 8" in r.getMessage()] == ["INFO"]
     drafter = engine.drafter
@@ -454,7 +453,7 @@ def test_draft_is_whole_on_every_tensor_parallel_rank(tmp_path, targets):
     from types import SimpleNamespace
 
     from baton import dist
-    from baton.spec.dspark import build_dspark_drafter
+    from baton.speculative.dspark import build_dspark_drafter
 
     draft = _draft_for(tmp_path, targets["ling"], block_size=4, num_layers=2, markov_rank=16)
     engine = SimpleNamespace(model=_engine(targets["ling"]).model, dtype=torch.float32, device=torch.device("cpu"))

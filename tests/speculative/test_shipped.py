@@ -8,7 +8,7 @@ import json
 import pytest
 
 from baton.cli import add_engine_args, server_args_from
-from baton.spec.shipped import shipped_draft
+from baton.speculative.shipped import shipped_draft
 
 
 def _args(*argv: str):

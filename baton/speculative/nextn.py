@@ -14,7 +14,7 @@ import torch
 from baton.layers.context import ForwardContext, ModelRunner
 from baton.models.base import CausalLM
 from baton.models.nextn import NextNLayer
-from baton.spec.base import Drafter
+from baton.speculative.base import Drafter
 from baton.types import ForwardMode
 
 

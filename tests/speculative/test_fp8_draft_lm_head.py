@@ -9,7 +9,7 @@ import torch
 from baton.config import ServerArgs, SpecConfig, load_model_config
 from baton.engine.engine import Engine
 from baton.ops.fp8_linear import naive
-from tests.spec.test_spec_core import run
+from tests.speculative.test_spec_core import run
 
 
 def _engine(path: str, **spec) -> Engine:
@@ -19,7 +19,7 @@ def _engine(path: str, **spec) -> Engine:
 
 @pytest.fixture(scope="module")
 def random_dspark_llama(ckpt_root, llama_path):
-    from baton.spec.dspark_ckpt import write_random_dspark_draft
+    from baton.models.dspark_checkpoint import write_random_dspark_draft
 
     out = str(ckpt_root / "random_dspark_llama_fp8_head")
     write_random_dspark_draft(load_model_config(llama_path), out, seed=11, block_size=8, markov_rank=16)
