@@ -153,10 +153,10 @@ def destroy_tp(timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
     """Leave the group: every rank finishes its queued GPU work and meets the others on the CPU group (bounded
     by ``timeout_s``; a rank that cannot is logged with where it is stuck). A gloo group is then destroyed.
 
-    An NCCL group is left behind instead: on the 2 x H200 machine (torch 2.11, CUDA 13) the NCCL teardown
-    itself hung on every rank after all work was done and after this barrier, in ``destroy_process_group``
-    (2026-11-29) and in ``_abort_process_group`` alike (2026-11-30, stacks in benchmarks/results/
-    h200-drafts-2026-11-30/). A process that ran an NCCL rank therefore ends with ``hard_exit`` (the spawned
+    An NCCL group is left behind instead: on the project's 2 x H200 machine (torch 2.11, CUDA 13) the NCCL
+    teardown itself hangs on every rank after all work is done and after this barrier, in
+    ``destroy_process_group`` and in ``_abort_process_group`` alike (docs/performance.md points to the stacks).
+    A process that ran an NCCL rank therefore ends with ``hard_exit`` (the spawned
     ranks always do; the CLI does when ``nccl_left_behind``), and cannot join a second NCCL group: run each
     tensor-parallel job in its own process (``launch_ranks(..., rank0_in_caller=False)`` does)."""
     global _STATE
@@ -347,8 +347,8 @@ def _run_rank0_here(fn, args, world_size, backend, init_method, timeout_s, share
         sup.fail(sup.explain_own_failure(f"{type(e).__name__}: {e}"), hard_exit=False)
         raise
     # Tear the group down together with the other ranks, which do so as their fn returns, and only then wait
-    # for them to exit: NCCL's communicator teardown waits for every rank, so waiting first deadlocked (the
-    # 2 x H200 runs of 2026-11-29 hung here after their work was done, while the all-children tests passed).
+    # for them to exit: NCCL's communicator teardown waits for every rank, so waiting for them first deadlocks
+    # (rank 0 here would wait for children that wait for rank 0).
     destroy_tp()
     sup.wait_children()
     _SUPERVISOR = None

@@ -74,8 +74,7 @@ def use_triton() -> bool:
 
 def use_fla() -> bool:
     """``BATON_FLA`` (default on; ``0`` turns it off): CUDA prefill takes fla-core's ``chunk_kda`` instead of the
-    PyTorch chunked form where fla-core is installed (tests/ops/test_kda_fla.py compares them; it passed on the
-    H200, 6 of 6, on 2026-11-29)."""
+    PyTorch chunked form where fla-core is installed (tests/ops/test_kda_fla.py compares the two on CUDA)."""
     return _get("BATON_FLA", "1") not in ("0", "", "false", "False")
 
 
@@ -101,7 +100,7 @@ def train_hf_features() -> bool:
 def fp8_aligned_prefill() -> bool:
     """``BATON_FP8_ALIGNED`` (default on): fp8 experts past the decode shapes (prefill) run the aligned Triton
     kernels with the block scales applied per tile; ``0`` dequantises every expert and runs the reference instead
-    (slow: the path before 2026-11-30e, kept as a fallback)."""
+    (slow: a dequantised copy of every expert; kept as a fallback)."""
     return _get("BATON_FP8_ALIGNED", "1") not in ("0", "", "false", "False")
 
 
@@ -113,8 +112,8 @@ def use_pdl() -> bool:
 
 def use_fused_attention() -> bool:
     """``BATON_FUSED_ATTENTION`` (default off): decode / verify attention of Llama layers in one Triton kernel
-    (RoPE, cache write, split attention and merge; ops/attention/fused_decode.py) instead of three. Its H200 tests
-    pass, but it measured slower: the SmolLM2 plain step 0.615 ms against 0.564 unfused (census, 2026-11-30)."""
+    (RoPE, cache write, split attention and merge; ops/attention/fused_decode.py) instead of three. Off by default
+    because it measured slower than the three kernels in the SmolLM2 step census (docs/performance.md)."""
     return _get("BATON_FUSED_ATTENTION", "0") not in ("0", "", "false", "False")
 
 
@@ -125,8 +124,8 @@ def triton_interpret() -> bool:
 
 def tp_allreduce() -> str:
     """``BATON_TP_ALLREDUCE``: ``auto`` (default: the one-shot symmetric-memory kernel for small messages on
-    CUDA, NCCL for the rest) or ``nccl`` (NCCL for every all-reduce). On 2 x H200 (2026-11-30) the TP2 graph
-    tests pass with both, and the one-shot path gave the lower TPOT (NEXTN 3.29 against 3.36 ms)."""
+    CUDA, NCCL for the rest) or ``nccl`` (NCCL for every all-reduce). ``auto`` is the default because it gave the
+    lower TP2 TPOT (docs/performance.md); the TP2 graph tests cover both."""
     return (_get("BATON_TP_ALLREDUCE") or "auto").lower()
 
 

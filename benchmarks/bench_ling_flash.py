@@ -75,10 +75,10 @@ def _summary(spec: dict, runs: list[dict]) -> dict:
 def _census_rank(engine, input_len: int) -> dict:
     """Every rank at once (TPEngine.call_all): the census of its own step, whose collectives pair up with the
     other ranks' replays, and the graph times. The floor is this rank's bytes (its weight shards) / 4.2 TB/s."""
-    from baton.bench.census import _prepare, format_census, run_census
+    from baton.bench.census import format_census, prepare, run_census
 
     census = run_census(engine, input_len, num_steps=50, profile_steps_n=10)
-    _prepare(engine, input_len)
+    prepare(engine, input_len)
     return {"census": census, "graph_us": graph_times(engine), "text": format_census(census)}
 
 
@@ -92,7 +92,7 @@ def _tp_leader(engine, args) -> dict:
 
 
 def run_mode(args, path: str, spec: dict) -> dict:
-    from baton.bench.census import _prepare, format_census, run_census
+    from baton.bench.census import format_census, prepare, run_census
     from baton.config import ServerArgs, SpecConfig
     from baton.engine.engine import Engine
 
@@ -113,7 +113,7 @@ def run_mode(args, path: str, spec: dict) -> dict:
     runs = _timed_runs(engine, args)
     census = run_census(engine, args.input_len, num_steps=50, profile_steps_n=10)
     print(format_census(census))
-    _prepare(engine, args.input_len)
+    prepare(engine, args.input_len)
     record = {**_summary(spec, runs), "graph_us": graph_times(engine), "census": census,
               "gpu_mem_gb": torch.cuda.max_memory_allocated() / 1e9, "runs": runs}
     del engine

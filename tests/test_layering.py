@@ -28,11 +28,7 @@ RANK = {
 }  # fmt: skip
 
 # (from, to): why it is there today. Upward edges and both directions of a cycle.
-KNOWN = {
-    ("baton.ops", "baton.models"): "ops/linear/bench.py builds models (the op benchmarks belong in benchmarks/)",
-    ("baton.ops", "baton.speculative"): "ops/argmax/bench.py times the Markov chain reference (benchmarks/ too)",
-    ("baton.ops", "baton.dist"): "ops/allreduce/bench.py and ops/linear/bench.py launch ranks (benchmarks/ too)",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _unit(module: str) -> str:

@@ -9,8 +9,8 @@ work, so host-side conclusions need that calibration first. The floor is the byt
 over the measured copy bandwidth (4.2 TB/s on the project's H200).
 
 Time is attributed exclusively: under PDL a kernel is launched while its predecessor still runs and waits for
-it, so its raw duration also counts the predecessor's work (on the H200, 2026-11-30, the raw sums of a SmolLM2
-NEXTN step came to 1.85 ms for a 1.2 ms step, and fp8 MoE kernels looked 2.6x slower than alone). Each stretch
+it, so its raw duration also counts the predecessor's work (the raw sums of a step can exceed the step's wall time
+by half, and a kernel can look several times slower than it is alone; docs/performance.md). Each stretch
 of wall time goes to the kernel that started first among those running (``exclusive_times``), so the
 categories and idle add up to the traced step; the raw sums stay in ``census_us_inclusive``, and the kernels
 taking the most exclusive time are listed by name.
@@ -45,16 +45,14 @@ def classify(name: str) -> str:
     return "router / activation / glue"
 
 
-def _prepare(engine, input_len: int, seed: int = 0) -> None:
+def prepare(engine, input_len: int, seed: int = 0) -> None:
     """Prefill a random prompt and load the relay, as a request would."""
     from baton.types import Request, SamplingParams
 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, min(engine.model_config.vocab_size, 32000), (input_len,), generator=gen).tolist()
     req = Request(ids, SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True))
-    with torch.inference_mode():
-        anchor, pos = engine._prefill(req)
-        engine.program.start(anchor, pos)
+    engine.start_steps(req)
     torch.cuda.synchronize()
 
 
@@ -240,12 +238,12 @@ def draft_head_bytes(head) -> float:
 def run_census(engine, input_len: int = 8192, num_steps: int = 50, profile_steps_n: int = 10) -> dict:
     if not engine.program.capture:
         raise ValueError("census needs the captured step program (a CUDA device, no --disable-cuda-graph)")
-    _prepare(engine, input_len)
+    prepare(engine, input_len)
     time_steps(engine, 5)  # warm
-    _prepare(engine, input_len)
+    prepare(engine, input_len)
     times = time_steps(engine, num_steps)
     step_ms = statistics.median(times)
-    _prepare(engine, input_len)
+    prepare(engine, input_len)
     att, traced_us, kernels = profile_steps(engine, profile_steps_n)
     per_cat = att["per_cat"]
     k = engine.num_draft_tokens

@@ -168,6 +168,14 @@ class Engine:
         with torch.inference_mode():
             yield from self._generate(req, should_abort or (lambda: False))
 
+    def start_steps(self, req: Request) -> None:
+        """Prefill ``req`` (greedy) and load the step program's relay, without running a step: for tools that time
+        or profile ``program.replays`` themselves (the census)."""
+        self.validate_request(req)
+        with torch.inference_mode():
+            anchor, pos = self._prefill(req)
+            self.program.start(anchor, pos)
+
     # ---- the loop ----
 
     def _prefill(self, req: Request) -> tuple[torch.Tensor, int]:

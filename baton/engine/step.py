@@ -117,8 +117,9 @@ class StepProgram:
         """The target over [anchor, drafts] at pos .. pos + k; hidden states (and tapped features) to the relay."""
         r = self.relay
         ids = torch.cat([r.anchor, r.draft_tokens])
+        active = r.num_drafts + 1 if self.drafter.variable_prefix else None  # rows past it read no experts
         ctx = ForwardContext(ForwardMode.VERIFY, r.pos + self.arange, self.cache, kv_len=r.kv_len(ids.shape[0]),
-                             capture_layer_ids=self.drafter.capture_layer_ids)
+                             capture_layer_ids=self.drafter.capture_layer_ids, active_rows=active)
         hidden = self.model(ids, ctx)
         r.verify_hidden.copy_(hidden)
         if r.verify_features is not None:

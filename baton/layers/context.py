@@ -26,6 +26,9 @@ class ForwardContext:
     kv_len: int | None = None  # host-known bound on the cache rows this forward reads (None: the whole cache)
     capture_layer_ids: tuple[int, ...] = ()  # decoder layers whose outputs to keep (DSpark features)
     captured: list[torch.Tensor] = field(default_factory=list)  # filled in layer-id order
+    # A verify whose drafter shortened the prefix on the device: rows >= active_rows ([1] int64) are computed but
+    # never committed, so the MoE routes them to no expert (reads no weights for them). None: every row counts.
+    active_rows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -92,16 +92,18 @@ class SparseMoE(nn.Module):
     def use_fp32_router(self) -> None:
         self.gate.weight.data = self.gate.weight.data.float()
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, d] -> (topk_ids [T, k], topk_weights [T, k] fp32)."""
+    def route(self, x: torch.Tensor, active_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, d] -> (topk_ids [T, k], topk_weights [T, k] fp32); rows >= ``active_rows`` (a device value)
+        get id -1 and weight 0: no expert."""
         return select_experts(self.router_logits(x), self.gate.expert_bias, self.top_k, self.n_group,
-                              self.topk_group, self.renormalize, self.scaling)
+                              self.topk_group, self.renormalize, self.scaling, active_rows=active_rows)
 
-    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """``[residual +] routed(norm(x)) + shared(norm(x))``, the combine accumulated in fp32."""
+    def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None,
+                active_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``[residual +] routed(norm(x)) + shared(norm(x))``, the combine accumulated in fp32. Rows >=
+        ``active_rows`` (ForwardContext.active_rows) take no routed experts: ``[residual +] shared``."""
         h = x if norm is None else norm(x)
-        topk_ids, topk_weights = self.route(h)
+        topk_ids, topk_weights = self.route(h, active_rows)
         if dist.tp_size() > 1:
             return self._forward_tp(x, h, topk_ids, topk_weights, residual)
         shared = self.shared_experts(h) if self.shared_experts is not None else None

@@ -45,6 +45,8 @@ class LingDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.attention(x, ctx, norm=self.input_layernorm, residual=x)
+        if ctx.active_rows is not None and isinstance(self.mlp, SparseMoE):
+            return self.mlp(h, norm=self.post_attention_layernorm, residual=h, active_rows=ctx.active_rows)
         return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
 
     def make_cache(self, max_len: int, dtype: torch.dtype, device, max_stage: int = 8):

@@ -4,6 +4,7 @@ uncaptured (the CPU, ``--disable-cuda-graph``): there is one implementation of e
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,42 +25,45 @@ def pick_tokens(logits: torch.Tensor, sampling: SamplingParams,
     return sample_from_probs(probs, generator), probs
 
 
-class Drafter:
+class Drafter(ABC):
     """What a speculative drafter implements. Positions: the anchor (the last committed-but-unverified token,
     produced by the target) sits at ``relay.pos``; the drafts continue from ``relay.pos + 1``.
 
     Drafts are argmax proposals for every request: the verify treats them as one-hot q, which keeps sampled
-    requests exact (spec/verify.py). A body reads and writes relay tensors only (no host value of this step),
-    so it can be captured."""
+    requests exact (speculative/verify.py). A body reads and writes relay tensors only (no host value of this
+    step), so it can be captured."""
 
     num_draft_tokens: int  # verify window: the anchor plus the drafts (k + 1)
     capture_layer_ids: tuple[int, ...] = ()  # target layers whose outputs the drafter reads
     feature_dim: int = 0  # width of ``features(captured)`` (relay.verify_features), 0 if none
+    variable_prefix: bool = False  # draft() may set relay.num_drafts below k (the verify then skips the rest)
 
+    @abstractmethod
     def reset(self) -> None:
         """Forget the request (its caches are overwritten by the next one's begin)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def begin(self, prompt_ids: torch.Tensor, target_hidden: torch.Tensor, captured: list[torch.Tensor],
               first_token: torch.Tensor) -> None:
         """After the prefill (eager, host shapes): the target's hidden states and tapped features for the prompt,
         and its first token (the anchor at ``len(prompt_ids)``)."""
-        raise NotImplementedError
 
     def start(self, relay: Relay) -> None:
-        """Load what the first draft needs into the relay (after ``relay.reset``)."""
+        """Load what the first draft needs into the relay (after ``relay.reset``); nothing by default."""
+        return None
 
+    @abstractmethod
     def draft(self, relay: Relay, arange: torch.Tensor) -> None:
         """Write ``relay.draft_tokens`` [k] for the anchor at ``relay.pos`` (and ``relay.num_drafts``, to verify a
         shorter prefix)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def extend(self, relay: Relay, arange: torch.Tensor) -> None:
         """After the commit: verify rows 0..``relay.num_accepted`` (``relay.verify_hidden`` /
         ``relay.verify_features``) are committed at ``relay.extend_pos`` onwards; rows past the accept count may
         be written too (they land where the next step overwrites them before reading)."""
-        raise NotImplementedError
 
     def features(self, captured: list[torch.Tensor]) -> torch.Tensor:
-        """The tapped layer outputs of a verify, in the order ``relay.verify_features`` holds them."""
-        raise NotImplementedError
+        """The tapped layer outputs of a verify, in the order ``relay.verify_features`` holds them (called only
+        for a drafter with ``feature_dim > 0``)."""
+        raise NotImplementedError(f"{type(self).__name__} taps no target layers (feature_dim 0)")

@@ -222,6 +222,7 @@ class DSparkDrafter(Drafter):
         # SPS(1) .. SPS(gamma + 1) for the device prefix rule (None: verify the whole block)
         self.sps_values = None if sps_table is None else torch.tensor(
             [sps_table.sps(n) for n in range(1, gamma + 2)], dtype=torch.float64, device=device)
+        self.variable_prefix = self.sps_values is not None and use_heads  # the prefix rule sets relay.num_drafts
         self.feature_dim = len(cfg.target_layer_ids) * cfg.hidden_size  # relay buffer for the verify features
         self._mask_ids = torch.full((self.block_rows - 1,), self.mask_token_id, dtype=torch.long, device=device)
 

@@ -314,8 +314,8 @@ def run_dspark(ns: argparse.Namespace, target=None, dp=None):
 
 def data_server_args(ns: argparse.Namespace):
     """The target's ServerArgs for data generation: plain decoding, also for the embedded model, whose shipped
-    drafts are otherwise on by default (the recipe's data step failed on that, 2026-11-30). None when the command
-    line asks for speculation."""
+    drafts are otherwise on by default (with them on, the recipe's data step fails). None when the command line
+    asks for speculation."""
     from baton.args import server_args_from
     from baton.speculative.shipped import DISABLE
 

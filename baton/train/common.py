@@ -129,8 +129,7 @@ def fast_fp32_matmul(device: torch.device):
     """TF32 for the fp32 matmuls of a training run on CUDA (the frozen lm_head's fp32 logits over a 49k-152k
     vocabulary dominate a step's FLOPs; TF32 runs them on the tensor cores at ~1e-3 relative error, the same
     order as the bf16 lm_head the served target uses). No effect on CPU; the previous setting is restored.
-    ``BATON_TRAIN_TF32=0`` keeps full fp32 (an A/B switch; on the H200 a DSpark step took 0.312 s with TF32 and
-    0.377 s without, 2026-11-30)."""
+    ``BATON_TRAIN_TF32=0`` keeps full fp32 (an A/B switch; the step times of both are in docs/performance.md)."""
     if device.type != "cuda" or not env.train_tf32():
         yield
         return
@@ -155,9 +154,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     leading batch dim on q, k, v (the mask shared by the batch). Differentiable (SDPA); every query row must
     see at least one key.
 
-    The unbatched form calls SDPA with 3-d tensors: through the 4-d call (which picks the memory-efficient
-    kernel for a boolean mask) a DSpark step took 2.1 s on the H200 (2026-11-29), with the 3-d call 0.31 s
-    (2026-11-30)."""
+    The unbatched form calls SDPA with 3-d tensors: the 4-d call picks the memory-efficient kernel for a boolean
+    mask, which made a DSpark training step several times slower on the H200 (docs/performance.md)."""
     h = q.dim() - 2  # the heads' dim: 1 unbatched (SDPA then gets 3-d tensors, as it always did), 2 batched
     rep = q.shape[h] // k.shape[h]
     if rep > 1:
@@ -219,9 +217,9 @@ def lr_at(step: int, total: int, opts: TrainOptions) -> float:
 
 
 # Steps at which a --time-budget run re-estimates its step time and sets its step count to what fits: the first
-# estimate skips the first few steps (allocator and kernel warm-up), the later ones refine it, up or down (the
-# H200 run of 2026-11-30 measured 0.8 s/step over steps 6-20 of NEXTN training and 0.12 s/step after, and, cut
-# once for good, stopped at 140 s of its 480 s budget).
+# estimate skips the first few steps (allocator and kernel warm-up), the later ones refine it, up or down (early
+# steps can be several times slower than the steady state, so a single early estimate cuts a run far short of
+# its budget; docs/performance.md has the run that showed it).
 REPLAN_AT = (20, 100, 400, 1000)
 REPLAN_SKIP = 5
 

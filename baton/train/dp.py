@@ -150,7 +150,7 @@ def _worker(rank: int, world: int, port: int, kind: str, fn: Callable[[DataParal
     if done:
         # Leave without the interpreter's finalisation: Gloo's worker threads may still hold tensors whose release
         # then needs the GIL of a dying interpreter, and the process aborts (SIGABRT, "terminate called without an
-        # active exception"; seen once in CI on 2026-11-30, after the run's work was all written).
+        # active exception"), after the run's work is all written.
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -217,8 +217,8 @@ class FeaturePrefetcher:
 
     def close(self) -> None:
         """Stop after the batch in progress and wait for it: a daemon thread still inside a target forward at
-        interpreter exit aborts the process (``terminate called without an active exception``; a CPU recipe run
-        whose time budget cut training while a 40 s batch was being computed, 2026-11-30)."""
+        interpreter exit aborts the process (``terminate called without an active exception``), as when a time
+        budget cuts training while a batch is being computed."""
         self._stop.set()
         self._thread.join(timeout=CLOSE_TIMEOUT_S)
         if self._thread.is_alive():

@@ -78,7 +78,7 @@ stamp nextn
 #     --dp-size 2) or grow (one GPU: the drafter grown by one layer, --grow-layers, saved in fp8); ":data" first
 #     adds responses for the GSM8K prompts step 1 did not reach (STAGE_DATA_BUDGET seconds, default 150, as the
 #     shipped drafter's stages had; every ":data" stage makes the same ones again: a
-#     stage without it trains on step 1's data alone). The shipped drafter (2026-11-30f) is
+#     stage without it trains on step 1's data alone). The shipped drafter was trained with
 #     DSPARK_MORE="b:850 b:800:data dp:800:data".
 prev=$OUT/dspark; i=0
 for stage in ${DSPARK_MORE:-}; do

@@ -49,7 +49,7 @@ def _compare_all_reduce() -> dict:
 
 
 def _bench_rows() -> list[dict]:
-    from baton.ops.allreduce.bench import bench_allreduce
+    from benchmarks.ops.bench_allreduce import bench_allreduce
 
     return bench_allreduce(sizes=(5120, 65536), iters=20)
 

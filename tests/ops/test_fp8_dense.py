@@ -140,7 +140,7 @@ def test_cpu_dispatch_is_the_reference():
 # ---- on the GPU: the compiled kernel at Ling-3.0-flash's dense decode shapes (N parts, K) ----
 
 def _ling_dense_names():
-    from baton.ops.fp8_linear.bench import LING_DENSE_SHAPES  # (row parts, K, fusion) at Ling-3.0-flash's shape
+    from benchmarks.ops.bench_fp8_linear import LING_DENSE_SHAPES  # (row parts, K, fusion) at Ling-3.0-flash's shape
 
     return LING_DENSE_SHAPES
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from baton.ops.linear import triton as fast
-from baton.ops.linear.bench import write_table
+from baton.ops.linear.table import write_table
 
 
 def _row(m: int, n_out: int, k: int, block_n: int, swiglu: bool = False) -> dict:
@@ -66,7 +66,7 @@ def test_no_table_means_heuristics(monkeypatch):
 
 
 def test_ling_tp_shapes_are_one_ranks_shards():
-    from baton.ops.linear.bench import LING_SHAPES, ling_tp_shapes
+    from benchmarks.ops.bench_linear import LING_SHAPES, ling_tp_shapes
 
     whole = {s.name.split(".")[-1]: s for s in LING_SHAPES}
     tp2 = {s.name.split(".")[-1]: s for s in ling_tp_shapes(2)}
@@ -81,7 +81,7 @@ def test_ling_tp_shapes_are_one_ranks_shards():
 def test_skip_tuned_leaves_only_the_missing_pairs():
     """``--skip-tuned`` (a tune cut short by its limit goes on): the committed table's TP2 M=6 entries are skipped;
     what is left is exactly the (M, shape) pairs without an entry of their own bucket."""
-    from baton.ops.linear.bench import ling_tp_shapes, untuned
+    from benchmarks.ops.bench_linear import ling_tp_shapes, untuned
 
     shapes = ling_tp_shapes(2)
     table = fast.read_table(fast.table_path("NVIDIA H200"))

@@ -86,7 +86,7 @@ def test_fp8_aligned_experts_match_dequantised_reference(num_tokens, mode, block
     cfg = mt.MoEConfig(up=mt.MoETile(*tile, 4, 2), down=mt.MoETile(*tile, 4, 2), block_m=block_m)
     if mode is None:
         assert num_tokens * TOP_K > mt.FP8_DIRECT_MAX_PAIRS
-        cfg = None  # FP8_ALIGNED_CONFIG
+        cfg = None  # the table's "fp8_aligned" tiles
     _check_random_fp8_experts(mt, num_tokens, 4.0, "shared_out", mode=mode, config=cfg)
 
 
@@ -123,7 +123,7 @@ def test_fp8_reference_dispatch_dequantises():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens,tile", [(t, tile) for t in (1, 6) for tile in (None, (16, 256), (32, 512))]
-                         + [(300, None)])  # None: FP8_CONFIGS (300 tokens: prefill, FP8_ALIGNED_CONFIG)
+                         + [(300, None)])  # None: the table's "fp8" tiles (300 tokens: prefill, "fp8_aligned")
 def test_fp8_fused_experts_ling_shapes(num_tokens, tile):
     mt = _moe_triton()
     from baton.ops.moe.naive import fused_experts_dense_gather

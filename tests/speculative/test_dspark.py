@@ -398,8 +398,23 @@ def test_greedy_with_sps_truncation_equals_plain(tmp_path, targets, plain):
         lengths.append(int(relay.num_drafts))
 
     engine.drafter.draft = recording_draft
+    from baton.layers.moe import SparseMoE
+
+    moe = next(m for m in engine.model.modules() if isinstance(m, SparseMoE))
+    route_fn, routed = moe.route, []
+
+    def recording_route(x, active_rows=None):
+        ids, weights = route_fn(x, active_rows)
+        if active_rows is not None:
+            routed.append((int(active_rows), ids.clone()))
+        return ids, weights
+
+    moe.route = recording_route
     assert _generate(engine, PROMPT) == plain["ling"]
     assert min(lengths) < 6, lengths  # the rule really truncated some rounds
+    assert routed and any(n < 7 for n, _ in routed)  # the verify told the MoE its active rows
+    for n, ids in routed:  # rows past the prefix take no expert; the rows before it all route
+        assert (ids[n:] == -1).all() and (ids[:n] >= 0).all()
     hist = engine.spec_stats.accept_histogram
     assert max(hist) <= max(lengths)  # no round accepted past its prefix
     assert _accepted_drafts(engine) > 0

@@ -8,7 +8,7 @@ reused by the next call. It uses plain peer loads, not NVLink multicast, which s
 machines (``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, set by baton.env.configure_tp_environment).
 
 Messages it does not accept (larger than its buffer, other dtypes, misaligned) take NCCL through
-``baton.dist.all_reduce``. ``baton.ops.allreduce.bench`` times both paths, in and out of CUDA graphs.
+``baton.dist.all_reduce``. ``python -m benchmarks.ops.bench_allreduce`` times both paths, in and out of CUDA graphs.
 This module imports on CPU; only ``create_one_shot`` touches CUDA.
 """
 

@@ -1,6 +1,6 @@
 """Vocabulary-parallel argmax on CUDA, in two kernels: each program takes the maximum of one slice of a row (and its
 first index), then one program per row reduces the slices' pairs. torch's argmax over a [1, 49152] row runs as
-one block (13 µs on the H200, 2026-11-30 census); here every SM takes a slice.
+one block, on one SM (docs/performance.md has its time); here every SM takes a slice.
 
 The partial kernel can add the DSpark Markov bias W2 W1[prev] (rank r) to its slice on the fly, reading ``prev``
 from device memory: the greedy chain of a block is then 2 kernels a slot, with no host sync, inside a CUDA

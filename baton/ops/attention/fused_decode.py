@@ -2,9 +2,9 @@
 v, flash-decoding over the cache, and the merge of the splits (the last split to finish does it).
 
 Why: at short contexts the three kernels of the unfused path (``rope_cache.rope_and_cache_write``, the split
-``attention_kernel`` and ``attention_reduce_kernel``) are a chain of launch latencies, not of reads (SmolLM2
-on the H200 at a 512-token context: ~15 µs of "attention" per layer for well under 1 µs of K/V bandwidth; 52%
-of its decode step, 2026-11-30). Semantics are those of ``rope_and_cache_write`` followed by ``attention``
+``attention_kernel`` and ``attention_reduce_kernel``) are a chain of launch latencies, not of reads: for SmolLM2
+at a 512-token context the layer's attention time is many times its K/V bytes over the bandwidth
+(docs/performance.md has the census). Semantics are those of ``rope_and_cache_write`` followed by ``attention``
 (causal over cache rows), for the T new tokens of one sequence at contiguous positions p0 .. p0 + T - 1
 (decode, a verify chain, a draft step):
 

@@ -12,8 +12,8 @@ Design (batch 1, H=32, K=V=128: the state is 2 MiB per layer, bandwidth-light, l
   program owns all of K and a BV-wide slice of V: it loads its fp32 state block [K, BV] once, keeps it in
   registers for the T tokens and stores it once (decode) and/or once per token (verify staging). Small BV
   gives more programs (BV=8: 512 CTAs of one warp) at the price of recomputing the per-token q/k norms and
-  the gate in every V-block; BV is the main tunable (``block_v``), with ``num_warps`` (see
-  ``default_block_v`` for the H200 numbers: BV=16 at T=1, BV=8 at T=6, one warp).
+  the gate in every V-block; BV is the main tunable (``block_v``), with ``num_warps`` (``default_block_v``
+  holds the H200's choice: BV=16 at T=1, BV=8 at T=6, one warp).
 - The token loop is unrolled (T is a compile-time constant: one compile each for decode and for verify) and
   software-pipelined by hand: token t+2's raw inputs are loaded and token t+1's are prepared (norms, gate)
   while token t runs, so the in-order warp never waits on a load inside the serial chain.
@@ -230,12 +230,11 @@ def gated_rms_norm_fwd(
 
 
 def default_block_v(T: int, H: int, V: int, staged: bool = False) -> tuple[int, int]:
-    """(BV, num_warps) used when the caller passes none.
-
-    Measured on the H200 (H=32, K=V=128, bf16 inputs, in-graph, L2-cold rotation, PDL on, 2026-11-29):
-    T=1 decode BV=16/1 warp 2.82 us (BV=8: 3.18, BV=4: 4.21); T=6 verify BV=8/1 7.73 us (BV=16: 8.77, BV=4:
-    15.1); T=16 verify BV=16/2 warps 22.2 us (BV=8/1: 27.1), T=16 final-only BV=8/1 14.3 us. BV=V (norm fused)
-    is 2-4x slower than BV<V plus the separate norm kernel (~1.3 us). Retune with ``baton.ops.kda.bench``.
+    """(BV, num_warps) used when the caller passes none: the fastest of the H200 sweep at Ling's shapes (H=32,
+    K=V=128; the figures are in docs/performance.md): decode BV=16, one warp; up to 8 tokens, or without staging,
+    BV=8, one warp; a staged verify past 8 tokens BV=16, 2 warps. BV=V (the output norm fused) was 2-4x slower
+    than BV<V plus the separate norm kernel.
+    Retune with ``python -m benchmarks.ops.bench_kda``.
     """
     if T == 1:
         bv, nw = 16, 1

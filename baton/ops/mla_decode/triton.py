@@ -119,7 +119,7 @@ def mla_default_config(num_rows: int, kv_lora_rank: int, elem_bytes: int = 2) ->
     a block. For Ling's C = 512 in bf16, measured on H200 at 32K context: decode (32 rows, one tile) is fastest
     with 8 warps and 3 stages (27.5 us), verify (several tiles) with 4 warps and 2 stages (T=6: 76 us, T=16:
     170 us). fp32 caches take 32-key blocks and 2 stages (shared memory). Retune with
-    ``baton.ops.attention.bench.bench_attention``."""
+    ``python -m benchmarks.ops.bench_attention``."""
     one_tile = num_rows <= 32
     if kv_lora_rank > 256:
         wide_elems = elem_bytes > 2

@@ -14,9 +14,10 @@ from types import ModuleType
 import torch
 
 from baton import env
-from baton.ops.moe.naive import fused_experts, fused_experts_dense_gather, grouped_topk
+from baton.ops.moe.naive import drop_inactive_rows, fused_experts, fused_experts_dense_gather, grouped_topk
 
-__all__ = ["fused_experts", "fused_experts_dense_gather", "grouped_topk", "moe_experts", "select_experts"]
+__all__ = ["drop_inactive_rows", "fused_experts", "fused_experts_dense_gather", "grouped_topk", "moe_experts",
+           "select_experts"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -33,14 +34,21 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 def select_experts(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
-                   renormalize: bool, scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   renormalize: bool, scaling_factor: float, active_rows: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (topk_ids [T, k], topk_weights [T, k] fp32): sigmoid, group-limited top-k on the
-    bias-corrected scores, weights from the unbiased scores (renormalised, scaled)."""
+    bias-corrected scores, weights from the unbiased scores (renormalised, scaled).
+
+    ``active_rows``: an int tensor of one element (0-d or [1]) on the logits' device, the number of leading rows
+    that are used (a verify whose rows past the accepted prefix will be dropped). Rows ``>= active_rows`` get id -1
+    and weight 0, which ``moe_experts`` treats as no expert: none of their experts' weights is read (on the fixed
+    shapes of a CUDA graph too: the value is never read on the host). None: every row routes."""
     if _use_triton(logits):
         return _triton_impl().grouped_topk_fused(logits, expert_bias, top_k, n_group, topk_group, renormalize,
-                                                 scaling_factor)
-    return grouped_topk(torch.sigmoid(logits.float()), expert_bias, top_k, n_group, topk_group, renormalize,
-                        scaling_factor)
+                                                 scaling_factor, active_rows)
+    ids, weights = grouped_topk(torch.sigmoid(logits.float()), expert_bias, top_k, n_group, topk_group, renormalize,
+                                scaling_factor)
+    return (ids, weights) if active_rows is None else drop_inactive_rows(ids, weights, active_rows)
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
@@ -49,6 +57,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
                 w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``[residual +] [shared_out +] sum_k w_k * expert_k(x)`` accumulated in fp32, returned in x's dtype.
     x [T, d]; w13 [E, 2I, d]; w2 [E, d, I]; topk_ids / topk_weights [T, k]; residual / shared_out [T, d].
+    An id of -1 (``select_experts``' rows past ``active_rows``) is no expert: it adds nothing and the Triton kernels
+    and the eager reference read no weights for it, so a row of -1s returns ``residual + shared_out``.
     fp8 experts: w13 / w2 in float8_e4m3fn with 128 x 128 block ``*_scale`` (scale_inv); the reference path
     dequantises to x's dtype first (the kernel applies the scales in registers)."""
     if _use_triton(x) and (w13_scale is None or env.fp8_aligned_prefill()

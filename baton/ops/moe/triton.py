@@ -30,10 +30,9 @@ Kernels:
 * ``mode="hybrid"``: aligned up-projection (w13 is 2/3 of each expert's bytes) + the direct per-token down-projection
   (no ``y`` buffer, no combine launch; w2 of a shared expert is read once per token that picked it).
 
-Measured on the H200 (see the config table): T = 1 direct wins (28 us, 70% of 4.8 TB/s over the 8 experts' bytes);
-for T = 6..16 aligned wins clearly once routes overlap between tokens (T=16 correlated: 153 us vs 272-288 direct)
-and is within 5-10% of the best with independent uniform routes, so ``default_mode`` picks direct for T < 3 and
-aligned from T = 3.
+On the H200 direct wins at T = 1; from T = 6 aligned wins clearly once routes overlap between tokens and stays
+within 5-10% of the best with independent routes (the figures are in docs/performance.md), so ``default_mode``
+picks direct for T < 3 and aligned from T = 3. The tiles come from the current GPU's table (table.py).
 
 PDL (``use_pdl()``, compute capability >= 9, never in the interpreter): every kernel calls ``gdc_wait`` before its
 first load of data written by an earlier kernel and ``gdc_launch_dependents`` right after that wait. Because each
@@ -59,6 +58,8 @@ import triton
 import triton.language as tl
 
 from baton import env
+from baton.ops.moe import table
+from baton.ops.moe.table import MoEConfig, MoETile
 
 # More (token, expert) pairs than this are aligned with torch ops instead of the one-program pairwise kernel, whose
 # [NP, NP] tensors would spill out of registers.
@@ -104,89 +105,23 @@ def _launch_kw(pdl: bool, num_warps: int, num_stages: int | None = None) -> dict
 # --------------------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class MoETile:
-    """Tile of one projection: BLOCK_N output columns, BLOCK_K reduction step, warps and pipeline stages."""
-
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 4
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    up: MoETile  # w13 [E, 2I, d]: N over I (gate and up rows together), K over d
-    down: MoETile  # w2 [E, d, I]: N over d, K over I
-    block_m: int = 16  # aligned mode: rows (same-expert pairs) per program; >= 16 for tl.dot
-    combine: MoETile = MoETile(256, 1, 4, 1)  # aligned mode: combine kernel (block_n only)
-
-
-# Keyed by the largest token count T the entry serves (first key >= T wins; past the end the last entry).
-# H200, Ling-3.0-flash shapes (d=2560, I=768, bf16), cold weights, CUDA graph, PDL on (bench_moe, 2026-11-29):
-#   T=1:  direct 28.2 us (3.34 TB/s over the 8 experts' 94 MB; up alone 20.0 us = 3.15 TB/s), aligned 30.9 us (best
-#         tiles), hybrid 32.0 us; torch router 42 us vs router kernel 5.2 us.
-#   T=6:  uniform routes (46 distinct experts): direct 130.8 us (4.15 TB/s), hybrid 131.9, aligned 143.7;
-#         correlated (22.5 distinct): aligned 79.3 us, hybrid 85.7, direct 111.1.
-#   T=16: uniform (112 distinct): hybrid 318.8 us, aligned 333.4, direct 334.7;
-#         correlated (50-54 distinct): aligned 152.6 us with the tiles below (3.9 TB/s), direct 272-288.
-# The T=1 direct entry and the T=16 entries are the sweep's winners (bench_moe(sweep=True)); the others are
-# interpolated starting points.
-DIRECT_CONFIGS: dict[int, MoEConfig] = {
-    # T=1: up grid 48 x 8 = 384 programs (164 KB each); down grid 160 x 1 (8 experts x 16 rows x 768 = 196 KB each)
-    1: MoEConfig(up=MoETile(16, 256, 4, 4), down=MoETile(16, 256, 4, 4)),
-    2: MoEConfig(up=MoETile(16, 256, 4, 4), down=MoETile(16, 256, 4, 4)),
-    4: MoEConfig(up=MoETile(16, 256, 4, 4), down=MoETile(16, 256, 4, 4)),
-    8: MoEConfig(up=MoETile(32, 128, 4, 4), down=MoETile(16, 256, 4, 4)),
-    16: MoEConfig(up=MoETile(32, 128, 4, 4), down=MoETile(16, 256, 4, 4)),
-}
-ALIGNED_CONFIGS: dict[int, MoEConfig] = {
-    4: MoEConfig(up=MoETile(32, 128, 4, 4), down=MoETile(64, 128, 4, 3), block_m=16),
-    16: MoEConfig(up=MoETile(32, 256, 4, 3), down=MoETile(64, 128, 4, 3), block_m=16),
-    # prefill-ish shapes (torch alignment): bigger row blocks (not tuned)
-    1 << 30: MoEConfig(up=MoETile(64, 64, 4, 3), down=MoETile(64, 64, 4, 3), block_m=64),
-}
-
-
-# fp8 experts (direct path): BLOCK_N must divide the 128-row scale blocks (a program's rows share one scale row) and
-# BLOCK_K must divide the 128-column blocks or be a multiple of them (a chunk of min(BLOCK_K, 128) columns shares one
-# scale, a scalar that multiplies the activation chunk). fp8 rows are half the bytes, so the same bytes per program
-# take twice the rows. Keyed by T as DIRECT_CONFIGS. History (H200, `python -m baton.ops.moe.bench --fp8 --sweep
-# --tokens 1 6 --routes uniform`, 4 layers cold, graphs, PDL):
-#   - scale per weight element, BLOCK_K <= 128 (to da94b90; benchmarks/results/h200-2026-11-30b): T=6 winner
-#     (64, 128, 8, 3) 112.6 us; T=1 41.2 us with the tiles below (34.1 us with the sweep's winner, which slowed the
-#     whole model, so not taken);
-#   - scales gathered per activation element, BLOCK_K free (d255682; benchmarks/results/h200-2026-11-30c): slower
-#     at every tile, T=6 225.8 us with the tiles below (136.3 us best), T=1 52.5 us (46.4 best); the TP2 fp8 steps
-#     slowed with it (NEXTN 3.13 -> 3.56 ms TPOT);
-#   - now (7ee2719): one scalar scale per chunk (no per-element gather, no per-weight multiply). Swept on
-#     2026-11-30 (benchmarks/results/h200-2026-11-30d/f) at one GPU's experts (I=768) and one TP2 rank's (I=384):
-#     T=1 28.4 / 18.3 us best (47.99 / 33.9 with the first form's tiles), T=6 89.3 / 53.8 us best (108.7 / 61.3).
-#     The table is keyed by T alone, so each entry is the tile good at both widths: T=1 up (16, 256, 8, 3) was the
-#     best up at both (31.0 / 19.1 us), down (32, 128, 4, 4) 30.9 / 19.1 (the one-GPU winner (32, 256, 4, 3) took
-#     49.2 us at I=384); T=6 up (32, 256, 8, 3) best at both, down (64, 128, 8, 3) 97.7 / 53.8 (the one-GPU
-#     winner (32, 256, 4, 3): 89.3 / 73.4). bf16 direct at the TP2 width beside it: T=1 18.0 us, T=6 82.4 us.
+# The tiles: MoETile / MoEConfig and the per-GPU tables live in table.py (tuned/<gpu name>.json, FALLBACK without
+# one). fp8 experts (direct path): BLOCK_N must divide the 128-row scale blocks (a program's rows share one scale
+# row) and BLOCK_K must divide the 128-column blocks or be a multiple of them (a chunk of min(BLOCK_K, 128) columns
+# shares one scale, a scalar that multiplies the activation chunk); fp8 rows are half the bytes, so the same bytes
+# per program take twice the rows. The table is keyed by T alone, so an fp8 entry has to be good at one GPU's expert
+# width (I = 768) and at one TP2 rank's (I = 384) both.
 FP8_BLOCK = 128
-FP8_CONFIG = MoEConfig(up=MoETile(32, 128, 4, 4), down=MoETile(32, 128, 4, 4))
-FP8_CONFIGS: dict[int, MoEConfig] = {
-    1: MoEConfig(up=MoETile(16, 256, 8, 3), down=MoETile(32, 128, 4, 4)),
-    6: MoEConfig(up=MoETile(32, 256, 8, 3), down=MoETile(64, 128, 8, 3)),
-    16: FP8_CONFIG,
-}
 # fp8 past the decode shapes (prefill: more than FP8_DIRECT_MAX_PAIRS (token, expert) pairs) runs the aligned
-# kernels, the weights widened to the activations' dtype in registers and each tile's product scaled once (BLOCK_N
-# and BLOCK_K divide the 128 x 128 scale blocks). Not tuned: the bf16 prefill tiles.
+# kernels (kind "fp8_aligned"), the weights widened to the activations' dtype in registers and each tile's product
+# scaled once (BLOCK_N and BLOCK_K divide the 128 x 128 scale blocks).
 FP8_DIRECT_MAX_PAIRS = 128
-FP8_ALIGNED_CONFIG = MoEConfig(up=MoETile(64, 64, 4, 3), down=MoETile(64, 64, 4, 3), block_m=64)
 
 
 def get_config(num_tokens: int, mode: str) -> MoEConfig:
-    """The tiles for ``num_tokens`` in ``mode``: "direct", "aligned" (also hybrid's up), or "fp8" (direct)."""
-    table = {"direct": DIRECT_CONFIGS, "fp8": FP8_CONFIGS}.get(mode, ALIGNED_CONFIGS)
-    for key in sorted(table):
-        if num_tokens <= key:
-            return table[key]
-    return table[max(table)]
+    """The tiles for ``num_tokens`` in ``mode``: "direct", "fp8" (direct over fp8 experts), "fp8_aligned", or
+    "aligned" (any other mode: hybrid's up-projection is aligned), from the current GPU's table."""
+    return table.get_config(num_tokens, mode if mode in table.KINDS else "aligned")
 
 
 def default_mode(num_tokens: int) -> str:
@@ -201,10 +136,11 @@ def default_mode(num_tokens: int) -> str:
 @triton.jit
 def grouped_topk_kernel(
     logits_ptr, bias_ptr, ids_ptr, weights_ptr,  # [T, E], [E], [T, TOPK] int32, [T, TOPK] fp32
+    active_ptr,  # HAS_ACTIVE: one int, the number of leading rows that route (the rest get id -1, weight 0)
     stride_lt, scaling,
     N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
     TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-    HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, HAS_ACTIVE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     t = tl.program_id(0)
     g = tl.arange(0, BLOCK_G)
@@ -253,14 +189,20 @@ def grouped_topk_kernel(
     if RENORM:
         out_w = out_w / (tl.sum(out_w, axis=0) + 1e-20)
     out_w = out_w * scaling
+    if HAS_ACTIVE:  # a device value written by an earlier kernel: read after the wait
+        routed = t < tl.load(active_ptr)
+        out_ids = tl.where(routed, out_ids, -1)
+        out_w = tl.where(routed, out_w, 0.0)
     mk = kk < TOPK
     tl.store(ids_ptr + t * TOPK + kk, out_ids, mask=mk)
     tl.store(weights_ptr + t * TOPK + kk, out_w, mask=mk)
 
 
 def grouped_topk_fwd(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, n_group: int,
-                     topk_group: int, renormalize: bool, scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] (pre-sigmoid, any float dtype). Returns (topk_ids [T, k] int32, topk_weights [T, k] fp32)."""
+                     topk_group: int, renormalize: bool, scaling_factor: float,
+                     active_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] (pre-sigmoid, any float dtype). Returns (topk_ids [T, k] int32, topk_weights [T, k] fp32).
+    ``active_rows`` (one int on the device): rows from it on get id -1 and weight 0 (no expert)."""
     num_tokens, num_experts = logits.shape
     n_group = max(n_group, 1)
     assert num_experts % n_group == 0 and 1 <= topk_group <= n_group and 1 <= top_k <= num_experts
@@ -271,21 +213,25 @@ def grouped_topk_fwd(logits: torch.Tensor, expert_bias: torch.Tensor | None, top
     if num_tokens == 0:
         return ids, weights
     bias = expert_bias.contiguous() if expert_bias is not None else logits
+    active = active_rows if active_rows is not None else ids
     block_g, block_eg = triton.next_power_of_2(n_group), triton.next_power_of_2(group_size)
     grouped_topk_kernel[(num_tokens,)](
-        logits, bias, ids, weights, logits.stride(0), float(scaling_factor),
+        logits, bias, ids, weights, active, logits.stride(0), float(scaling_factor),
         N_GROUP=n_group, GROUP_SIZE=group_size, BLOCK_G=block_g, BLOCK_EG=block_eg,
         TOPK_GROUP=topk_group if n_group > 1 else 1, TOPK=top_k, BLOCK_TOPK=triton.next_power_of_2(top_k),
-        HAS_BIAS=expert_bias is not None, RENORM=bool(renormalize) and top_k > 1,
+        HAS_BIAS=expert_bias is not None, RENORM=bool(renormalize) and top_k > 1, HAS_ACTIVE=active_rows is not None,
         **_launch_kw(pdl_enabled(logits.device), 4 if num_experts <= 1024 else 8),
     )
     return ids, weights
 
 
 def grouped_topk_fused(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, n_group: int,
-                       topk_group: int, renormalize: bool, scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sigmoid + group-limited top-k on router logits; the selection of ``naive.grouped_topk(sigmoid(logits))``."""
-    return grouped_topk_fwd(logits, expert_bias, top_k, n_group, topk_group, renormalize, scaling_factor)
+                       topk_group: int, renormalize: bool, scaling_factor: float,
+                       active_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid + group-limited top-k on router logits; the selection of ``naive.grouped_topk(sigmoid(logits))``
+    (rows from ``active_rows`` on: id -1, weight 0)."""
+    return grouped_topk_fwd(logits, expert_bias, top_k, n_group, topk_group, renormalize, scaling_factor,
+                            active_rows)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -324,6 +270,8 @@ def moe_up_direct_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     e = tl.load(ids_ptr + pair).to(tl.int64)
+    if e < 0:  # no expert (a row past the active prefix): no weight read; its act row is never read either
+        return
     wg_ptrs = w13_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, SUB]
     wu_ptrs = wg_ptrs + INTER * stride_wn
     x_ptrs = x_ptr + tok * stride_xt + offs_k
@@ -387,14 +335,15 @@ def moe_down_direct_kernel(
         k0 = (it - j * num_k) * BLOCK_K
         e = tl.sum(tl.where(jj == j, ids, 0), axis=0)
         rw = tl.sum(tl.where(jj == j, tw, 0.0), axis=0)
+        routed = e >= 0  # id -1: no expert, every load of it masked off (no weight read, adds zero)
         for sub in tl.static_range(BLOCK_K // SUB):
             kk = k0 + sub * SUB
-            mk = (kk + offs_k) < INTER
+            mk = ((kk + offs_k) < INTER) & routed
             a = tl.load(act_ptr + (tok * TOPK + j) * stride_at + kk + offs_k, mask=mk, other=0.0).to(tl.float32)
             w = tl.load(w2_ptr + e * stride_we + w_rows + kk, mask=mask_n[:, None] & mk[None, :], other=0.0)
             w = w.to(tl.float32)
             if HAS_SCALE:  # one scalar per chunk, on the activations
-                rw_s = rw * tl.load(s_row + e * stride_se + kk // SB, mask=kk < INTER, other=0.0)
+                rw_s = rw * tl.load(s_row + e * stride_se + kk // SB, mask=(kk < INTER) & routed, other=0.0)
                 acc += w * (a * rw_s)[None, :]
             else:
                 acc += w * (a * rw)[None, :]
@@ -457,8 +406,9 @@ def moe_down_direct_fwd(act: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Ten
 @dataclass
 class AlignedPairs:
     """(token, expert) pairs grouped by expert. ``sorted_pairs [M]`` int32 (flat pair indices, stable within an
-    expert); per block ``b < num_blocks``: ``block_expert``, ``block_start`` (into sorted_pairs), ``block_count``
-    (1..BLOCK_M), all ``[max_blocks]`` int32 and valid only below ``num_blocks [1]`` (the tail is never written)."""
+    expert; the pairs with no expert, id -1, last, in pair order and in no block); per block ``b < num_blocks``:
+    ``block_expert``, ``block_start`` (into sorted_pairs), ``block_count`` (1..BLOCK_M), all ``[max_blocks]`` int32
+    and valid only below ``num_blocks [1]`` (the tail is never written)."""
 
     sorted_pairs: torch.Tensor
     block_expert: torch.Tensor
@@ -484,8 +434,10 @@ def moe_align_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     p = tl.arange(0, NP)
-    valid = p < M
-    eid = tl.load(ids_ptr + p, mask=valid, other=1 << 30).to(tl.int32)  # padding sorts last, matches nothing real
+    real = p < M
+    eid = tl.load(ids_ptr + p, mask=real, other=1 << 30).to(tl.int32)  # padding sorts last, matches nothing real
+    eid = tl.where(eid < 0, 1 << 30, eid)  # so does a pair with no expert (id -1): it is in no block
+    valid = real & (eid < (1 << 30))
     same = eid[:, None] == eid[None, :]  # [NP (p), NP (q)]
     lower = eid[None, :] < eid[:, None]  # q's expert sorts before p's
     rank = tl.sum((same & (p[None, :] < p[:, None])).to(tl.int32), axis=1)  # stable rank of p in its bucket
@@ -494,7 +446,7 @@ def moe_align_kernel(
     pos = n_lower + rank  # stable sorted position
     nblk = tl.where(valid & (rank == 0), (count + BLOCK_M - 1) // BLOCK_M, 0)  # bucket's blocks, on its rank-0 pair
     blocks_before = tl.sum(tl.where(lower, nblk[None, :], 0), axis=1)
-    tl.store(sorted_pairs_ptr + pos, p, mask=valid)
+    tl.store(sorted_pairs_ptr + pos, p, mask=real)  # the pairs with no expert last, in pair order
     leader = valid & (rank % BLOCK_M == 0)
     bidx = blocks_before + rank // BLOCK_M
     tl.store(block_expert_ptr + bidx, eid, mask=leader)
@@ -525,15 +477,18 @@ def moe_align_torch(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> A
     num_pairs, device = flat_ids.numel(), flat_ids.device
     max_blocks = max_aligned_blocks(num_pairs, num_experts, block_m)
     sorted_pairs, block_expert, block_start, block_count, num_blocks = _align_buffers(num_pairs, max_blocks, device)
-    sorted_e, order = torch.sort(flat_ids.long(), stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device)
+    key = flat_ids.long()
+    key = torch.where(key < 0, num_experts, key)  # id -1 (no expert): bucket E, sorted last, given no block
+    sorted_e, order = torch.sort(key, stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=device)
     counts.scatter_add_(0, sorted_e, torch.ones_like(sorted_e))
     starts = torch.cumsum(counts, 0) - counts
     pos = torch.arange(num_pairs, device=device)
     rank = pos - starts[sorted_e]
     nblk = (counts + block_m - 1) // block_m
+    nblk[num_experts] = 0
     blk_off = torch.cumsum(nblk, 0) - nblk
-    leader = rank % block_m == 0
+    leader = (rank % block_m == 0) & (sorted_e < num_experts)
     dst = torch.where(leader, blk_off[sorted_e] + rank // block_m, max_blocks)  # non-leaders go to a dump slot
     scratch = torch.empty(3, max_blocks + 1, dtype=torch.int32, device=device)
     scratch[0].scatter_(0, dst, sorted_e.int())
@@ -665,7 +620,7 @@ def moe_down_aligned_kernel(
 
 @triton.jit
 def moe_combine_kernel(
-    y_ptr, shared_ptr, res_ptr, out_ptr,  # y [T*TOPK, HIDDEN] fp32, out [T, HIDDEN]
+    y_ptr, ids_ptr, shared_ptr, res_ptr, out_ptr,  # y [T*TOPK, HIDDEN] fp32, ids [T*TOPK], out [T, HIDDEN]
     HIDDEN: tl.constexpr, stride_yp, stride_st, stride_rt, stride_ot,
     TOPK: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -679,7 +634,8 @@ def moe_combine_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for j in tl.static_range(TOPK):  # fixed order: deterministic
-        acc += tl.load(y_ptr + (tok * TOPK + j) * stride_yp + offs_n, mask=mask_n, other=0.0)
+        routed = tl.load(ids_ptr + tok * TOPK + j) >= 0  # a pair with no expert was in no block: y never written
+        acc += tl.load(y_ptr + (tok * TOPK + j) * stride_yp + offs_n, mask=mask_n & routed, other=0.0)
     if HAS_SHARED:
         acc += tl.load(shared_ptr + tok * stride_st + offs_n, mask=mask_n, other=0.0).to(tl.float32)
     if HAS_RES:
@@ -741,15 +697,16 @@ def moe_down_aligned_fwd(act: torch.Tensor, w2: torch.Tensor, flat_weights: torc
     return y
 
 
-def moe_combine_fwd(y: torch.Tensor, top_k: int, shared_out: torch.Tensor | None, residual: torch.Tensor | None,
-                    out: torch.Tensor, tile: MoETile, pdl: bool) -> torch.Tensor:
-    """out [T, d] = sum_k y[t*k + j] (+ shared_out + residual), in fp32, cast once."""
+def moe_combine_fwd(y: torch.Tensor, flat_ids: torch.Tensor, top_k: int, shared_out: torch.Tensor | None,
+                    residual: torch.Tensor | None, out: torch.Tensor, tile: MoETile, pdl: bool) -> torch.Tensor:
+    """out [T, d] = sum over the pairs with an expert (flat_ids [T*k] >= 0) of y[t*k + j] (+ shared_out +
+    residual), in fp32, cast once."""
     num_tokens, hidden = out.shape
     shared = shared_out if shared_out is not None else out
     res = residual if residual is not None else out
     grid = (triton.cdiv(hidden, tile.block_n), num_tokens)
     moe_combine_kernel[grid](
-        y, shared, res, out, hidden, y.stride(0), shared.stride(0), res.stride(0), out.stride(0),
+        y, flat_ids, shared, res, out, hidden, y.stride(0), shared.stride(0), res.stride(0), out.stride(0),
         TOPK=top_k, BLOCK_N=tile.block_n, HAS_SHARED=shared_out is not None, HAS_RES=residual is not None,
         **_launch_kw(pdl, tile.num_warps, tile.num_stages),
     )
@@ -770,9 +727,10 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     """``[residual +] [shared_out +] sum_k topk_weights * expert_k(x)`` accumulated in fp32, returned in x's dtype.
 
     x [T, d]; w13 [E, 2I, d] (gate rows, then up rows); w2 [E, d, I]; topk_ids [T, k] (int32/int64);
-    topk_weights [T, k]; residual / shared_out [T, d]. ``mode``: "direct", "aligned" or "hybrid" (default by T, see
-    ``default_mode``); ``align``: "triton" (one program, M <= MAX_ALIGN_PAIRS) or "torch" (default by M). No host
-    synchronisation: safe under CUDA-graph capture.
+    topk_weights [T, k]; residual / shared_out [T, d]. An id of -1 is no expert (``select_experts``' rows past
+    ``active_rows``): no program reads weights for it and it adds nothing, so a row of -1s is residual + shared_out.
+    ``mode``: "direct", "aligned" or "hybrid" (default by T, see ``default_mode``); ``align``: "triton" (one program,
+    M <= MAX_ALIGN_PAIRS) or "torch" (default by M). No host synchronisation: safe under CUDA-graph capture.
 
     fp8 experts: w13 / w2 in float8_e4m3fn with ``w13_scale`` / ``w2_scale`` 128 x 128 block scale_inv (the Ling fp8
     checkpoint layout, baton.ops.quant): the scales are applied in registers and the sums kept in fp32; direct up to
@@ -796,7 +754,7 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     elif mode == "direct":
         cfg = get_config(num_tokens, direct_kind)
     else:
-        cfg = FP8_ALIGNED_CONFIG if fp8 else get_config(num_tokens, "aligned")
+        cfg = get_config(num_tokens, "fp8_aligned" if fp8 else "aligned")
     direct_cfg = cfg if mode != "hybrid" or config is not None else get_config(num_tokens, direct_kind)
     if fp8:  # a tile that crosses a scale block is refused here, before any kernel (the alignment too) is launched
         (_scale_args if mode == "direct" else _aligned_scale_args)(w13_scale, cfg.up)
@@ -828,4 +786,4 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         return moe_down_direct_fwd(act, w2, topk_ids, topk_weights, shared_out, residual, out, direct_cfg.down, pdl,
                                    w2_scale)
     y = moe_down_aligned_fwd(act, w2, topk_weights.view(-1), al, cfg.down, pdl, w2_scale, x.dtype)
-    return moe_combine_fwd(y, top_k, shared_out, residual, out, cfg.combine, pdl)
+    return moe_combine_fwd(y, flat_ids, top_k, shared_out, residual, out, cfg.combine, pdl)

@@ -100,9 +100,9 @@ def short_conv_update_fwd(
 
 
 def default_block_d(T: int, D: int) -> tuple[int, int]:
-    """(BD, num_warps) used when the caller passes none. H200, D=12288 bf16, in-graph, PDL on (2026-11-29): BD=64
-    with 4 warps was best at T=1 (1.70 us) and T=6 (verify 4.03 us, decode 2.90 us); BD=256 was 1.4-1.6x slower.
-    Retune with ``baton.ops.kda.bench.bench_short_conv``."""
+    """(BD, num_warps) used when the caller passes none: BD=64 with 4 warps, the fastest of the H200 sweep at
+    D=12288 (bf16) for decode and verify alike (the figures are in docs/performance.md); BD=256 was 1.4-1.6x
+    slower. Retune with ``python -m benchmarks.ops.bench_kda conv``."""
     return 64, 4
 
 

@@ -3,19 +3,18 @@ PyTorch reference path (cuBLAS F.linear plus separate norm / add / SwiGLU ops) a
 
 Each variant is captured in a CUDA graph that calls it once per weight copy, cycling over enough copies to
 exceed the 60 MB L2 (cold weights, as in a decode step), and the replays are timed with CUDA events; the figure
-per call is the median replay time over the number of calls, so it includes the in-graph launch gap, as a
-decode step pays it. GB/s counts every byte a call must move (weights, x, norm weight, residual, output).
+per call is the median replay time over the number of calls (``benchmarks.ops.timing``), so it includes the
+in-graph launch gap, as a decode step pays it. GB/s counts every byte a call must move (weights, x, norm weight,
+residual, output).
 
-    python -m baton.ops.linear.bench [--m 1 6 16] [--json out.json] [--tune] [--tp-size 2 --only ling]
+    python -m benchmarks.ops.bench_linear [--m 1 6 16] [--json out.json] [--tune] [--tp-size 2 --only ling]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,10 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from baton.ops.linear import naive
+from baton.ops.linear.table import dump_json, write_table
+from benchmarks.ops.timing import L2_BYTES, cold_copies, graph_time_us
 
-__all__ = ["LING_SHAPES", "SMOL_SHAPES", "BenchShape", "bench_linear", "ling_tp_shapes", "tune_linear", "write_table"]
+__all__ = ["LING_SHAPES", "SMOL_SHAPES", "BenchShape", "bench_linear", "ling_tp_shapes", "tune_linear", "untuned"]
 
-L2_BYTES = 60 * 2**20
 COLD_BYTES = 4 * L2_BYTES  # weight bytes cycled through per graph replay
 
 
@@ -113,36 +113,15 @@ def _bytes_moved(s: BenchShape, elt: int) -> int:
 
 
 def _graph_time_us(calls: list[Callable[[], object]], replays: int = 20) -> float:
-    """Median time per call (µs) of a CUDA graph that runs ``calls`` in order."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls[:2]:  # compile / autotune outside capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(calls))
-    del graph
-    return statistics.median(times)
+    """Median time per call (µs) of a CUDA graph that runs ``calls`` in order (the first two warm up: the rest are
+    the same kernel on other weights)."""
+    return graph_time_us(calls, replays, warmup=2, warm_replays=3)
 
 
 def _inputs(s: BenchShape, dtype: torch.dtype, gen: torch.Generator) -> dict:
     dev = torch.device("cuda")
     w_bytes = s.n * s.k * torch.finfo(dtype).bits // 8
-    copies = max(2, min(512, math.ceil(COLD_BYTES / w_bytes)))
+    copies = cold_copies(w_bytes, COLD_BYTES, 2, 512)
     n_out = s.n // 2 if s.swiglu else s.n
     weights = [(torch.randn(s.n, s.k, device=dev, generator=gen) / s.k**0.5).to(dtype) for _ in range(copies)]
     return dict(
@@ -290,36 +269,6 @@ def tune_linear(shapes: list[BenchShape], dtype: torch.dtype = torch.bfloat16, m
     return rows
 
 
-def write_table(rows: list[dict], device_name: str, path: str = "default") -> str:
-    """The winners of ``tune_linear`` as a table ``pick_config`` reads: M == 1 rows give the "gemv" entry, M > 1
-    rows the entry of their bucket ("m4", "m8", "m16"; the largest M tuned wins when several share one). An
-    existing table at the path is merged into: its entries for other shapes and kinds stay."""
-    from baton.ops.linear import triton as fast
-
-    out = fast.table_path(device_name) if path == "default" else path
-    entries: dict[tuple, dict] = {}
-    if os.path.isfile(out):
-        with open(out) as f:
-            for e in json.load(f).get("entries", []):
-                entries[(e["kind"], e["n_out"], e["k"], e["swiglu"])] = e
-    for r in sorted(rows, key=lambda r: r["m"]):
-        kind = fast.table_kinds(r["m"])[0]
-        entries[(kind, r["n_out"], r["k"], r["swiglu"])] = {
-            "kind": kind, "n_out": r["n_out"], "k": r["k"], "swiglu": r["swiglu"], "config": r["best"],
-            "us": round(r["best_us"], 2), "gbps": round(r["best_gbps"]), "m": r["m"]}
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    _dump({"device": device_name, "torch": torch.__version__, "entries": list(entries.values())}, out)
-    return str(out)
-
-
-def _dump(obj: object, path: str | os.PathLike) -> None:
-    """JSON to ``path`` through a temporary file (a run killed mid-write leaves the previous file whole)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
-
-
 def _print_table(rows: list[dict]) -> None:
     keys = [k[:-3] for k in rows[0] if k.endswith("_us")]
     print(f"{'shape':24s} {'M':>3s} " + " ".join(f"{k + ' us':>14s} {'GB/s':>6s}" for k in keys) + "  rel_err")
@@ -350,7 +299,7 @@ def main() -> None:
 
     def save(rows: list[dict]) -> None:
         if args.json:
-            _dump(rows, args.json)
+            dump_json(rows, args.json)
         if args.write_table:
             write_table(rows, torch.cuda.get_device_name(), args.write_table)
 

@@ -3,9 +3,10 @@ kernel, eager and inside a CUDA graph, on ``--tp-size`` GPUs of this host.
 
 Eager: ``iters`` back-to-back calls on the stream, timed with CUDA events (launch overhead included, as an
 eager decode pays it). Graph: ``iters`` calls captured in one CUDA graph, the replay timed and divided by
-``iters`` (the in-graph cost a captured decode step pays). Both check the sum against the expected value.
+``iters`` (the in-graph cost a captured decode step pays); medians of 5 (``benchmarks.ops.timing``). Both check the
+sum against the expected value.
 
-    python -m baton.ops.allreduce.bench [--tp-size 2] [--sizes 5120 8192 ...] [--iters 200] [--json out.json]
+    python -m benchmarks.ops.bench_allreduce [--tp-size 2] [--sizes 5120 8192 ...] [--iters 200] [--json out.json]
 
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1), as in serving.
 """
@@ -13,11 +14,13 @@ NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import statistics
 from collections.abc import Callable
 
 import torch
+
+from benchmarks.ops.timing import eager_time_us, graph_time_us
 
 DEFAULT_SIZES = (5120, 8192, 16384, 30720, 32768, 65536)  # bytes: Ling hidden row (bf16) .. 12 rows
 
@@ -48,44 +51,6 @@ def _check(fn, x: torch.Tensor, world: int, name: str) -> None:
         raise RuntimeError(f"{name}: all-reduce of ones gave {got.float().unique().tolist()}, expected {world}")
 
 
-def _eager_us(fn, x: torch.Tensor, iters: int, repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn(x)
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / iters)
-    return statistics.median(times)
-
-
-def _graph_us(fn, x: torch.Tensor, iters: int, repeats: int = 5) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn(x)
-    graph.replay()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / iters)
-    return statistics.median(times)
-
-
 def bench_allreduce(sizes: tuple[int, ...] = DEFAULT_SIZES, iters: int = 200,
                     dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     """Run on every rank of an initialised NCCL group (baton.dist); returns rows of µs per call."""
@@ -98,8 +63,9 @@ def bench_allreduce(sizes: tuple[int, ...] = DEFAULT_SIZES, iters: int = 200,
         for name, fn in _impls().items():
             x = torch.empty(n, dtype=dtype, device=dist.state().device)
             _check(fn, x, world, name)
-            eager = _eager_us(fn, x, iters)
-            graph = _graph_us(fn, x, iters)
+            calls = [functools.partial(fn, x)] * iters
+            eager = eager_time_us(calls, repeats=5)
+            graph = graph_time_us(calls, replays=5, warmup=3)
             rows.append({"impl": name, "bytes": size, "tp": world, "eager_us": round(eager, 2),
                          "graph_us": round(graph, 2)})
     return rows

@@ -7,17 +7,17 @@ one buffer sized to hold several L2s of context, so every call reads its rows fr
 cache length S is the capture-time maximum (the largest context) for every context, as in the engine.
 GB/s counts the cache bytes of the valid context (K and V, or the 576-wide latent rows) only.
 
-Run: ``python -m baton.ops.attention.bench`` (prints a table, then one JSON line).
+Run: ``python -m benchmarks.ops.bench_attention`` (prints a table, then one JSON line).
 """
 
 from __future__ import annotations
 
 import json
-import math
-import statistics
 from collections.abc import Callable
 
 import torch
+
+from benchmarks.ops.timing import cold_copies, graph_time_us
 
 L2_FLUSH_BYTES = 256 << 20  # several H200 L2s (60 MB) of cache rows per graph
 MAX_COPIES = 512
@@ -25,33 +25,11 @@ MAX_COPIES = 512
 
 def _time_graph(fns: list[Callable[[], object]], reps: int) -> float:
     """Median µs per call of one CUDA graph that calls each of ``fns`` once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # warm-up: compiles, and the allocations happen outside the capture
-        for fn in fns:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    del graph
-    return statistics.median(times)
+    return graph_time_us(fns, reps)
 
 
 def _num_copies(bytes_read: int) -> int:
-    return max(1, min(MAX_COPIES, math.ceil(L2_FLUSH_BYTES / max(1, bytes_read))))
+    return cold_copies(bytes_read, L2_FLUSH_BYTES, 1, MAX_COPIES)
 
 
 def _cache_views(row_shape: tuple[int, ...], ctx: int, max_len: int, copies: int, dtype: torch.dtype

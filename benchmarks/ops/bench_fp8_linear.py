@@ -2,13 +2,13 @@
 ``CausalLM.compute_local_logits`` runs) against the fp8 Triton kernel (``--enable-fp8-draft-lm-head``), cold weights
 (a rotation of copies larger than L2), in CUDA graphs.
 
-    python -m baton.ops.fp8_linear.bench [--shapes 157184x2560 78592x2560 49152x576] [--rows 1 16] [--sweep]
+    python -m benchmarks.ops.bench_fp8_linear [--shapes 157184x2560 78592x2560 49152x576] [--rows 1 16] [--sweep]
         [--json F]
 
 Floor: the weight bytes (N * K: 1 byte fp8, 2 bytes bf16) over 4.8 TB/s. ``--sweep`` times every (BLOCK_N, BLOCK_K,
 num_warps, num_stages) tile; the best per row count belongs in ``triton.pick_tiles``.
 
-    python -m baton.ops.fp8_linear.bench --dense [--rows 1 6 17] [--sweep] [--json F]
+    python -m benchmarks.ops.bench_fp8_linear --dense [--rows 1 6 17] [--sweep] [--json F]
 
 ``--dense``: the dense projections of ``--quantization fp8`` at every Ling-3.0-flash dense decode shape (KDA and MLA
 in_proj with their RMSNorm prologue, o_proj / dense / down_proj with the residual epilogue, the dense and shared
@@ -26,14 +26,18 @@ import json
 
 import torch
 
-from baton.ops.linear.bench import _graph_time_us
+from benchmarks.ops.timing import cold_copies, graph_time_us
 
 PEAK_BANDWIDTH = 4.8e12
-L2_BYTES = 60 << 20
 
 
 def _copies(nbytes: int) -> int:
-    return max(2, -(-4 * L2_BYTES // nbytes))
+    return cold_copies(nbytes)  # 4 L2s of weights per replay
+
+
+def _graph_time_us(calls, replays: int = 20) -> float:
+    """As the linear bench times: the median replay, the first 2 calls warmed up, 3 untimed replays."""
+    return graph_time_us(calls, replays, warmup=2, warm_replays=3)
 
 
 def bench_fp8_linear(shapes=((157184, 2560), (78592, 2560), (49152, 576)), rows=(1, 16), sweep: bool = False

@@ -1,6 +1,6 @@
 """Timing of the fused KDA recurrence (and the short conv) on CUDA at Ling-3.0-flash shapes, inside CUDA graphs.
 
-``python -m baton.ops.kda.bench`` (on the GPU machine) prints, for each T and mode:
+``python -m benchmarks.ops.bench_kda [all|kda|conv]`` (on the GPU machine) prints, for each T and mode:
 
 - ``decode``: T=1, state read + written in place (2 MiB + 2 MiB per layer at H=32, K=V=128);
 - ``verify``: T>1, state only read, every position's post-state staged (2 MiB + T x 2 MiB);
@@ -11,51 +11,30 @@ the µs per call and the achieved GB/s on those state bytes for each (BV, num_wa
 lower-level ``fused_recurrent_kda_fwd`` with per-token ``ssm_state_indices`` staging when its signature fits).
 
 Timing: R calls on R distinct buffer sets (enough bytes to overflow L2, so every call starts cold, as layer
-after layer does in the model) are captured into one CUDA graph, replayed ``reps`` times; time / (reps * R).
+after layer does in the model) are captured into one CUDA graph, replayed ``reps`` times back to back; time /
+(reps * R) (``benchmarks.ops.timing``).
 The graph-node gap (~1 µs without PDL) is included, as it is in the real step. ``BATON_PDL=0`` turns PDL off.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from baton.env import use_pdl
-
-MiB = 1 << 20
+from benchmarks.ops.timing import MiB, cold_copies, graph_time_us, l2_bytes
 
 
 def _graph_us(fns: list[Callable[[], Any]], reps: int = 20) -> float:
     """Per-call µs of ``fns`` (each one launch sequence) captured back to back in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns:  # compile / autotune outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in fns:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * len(fns))
+    return graph_time_us(fns, reps, stat="mean")
 
 
 def _rotation(bytes_per_call: int, min_sets: int = 4) -> int:
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 * MiB)
-    return max(min_sets, math.ceil(3 * l2 / max(bytes_per_call, 1)))
+    return cold_copies(bytes_per_call, 3 * l2_bytes(), min_sets)
 
 
 def _kda_inputs(T: int, H: int, K: int, V: int, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -1,8 +1,9 @@
 """Argmax over the vocabulary at decode shapes, torch against the vocabulary-parallel Triton kernels, in CUDA
 graphs (where baton runs them); and the greedy DSpark Markov chain of a block (gamma slots, rank r), the eager
-chain's ops (gather, rank-r linear, add, argmax per slot) against ``markov_greedy``'s 2 kernels a slot.
+chain's ops (gather, rank-r linear, add, argmax per slot) against ``markov_greedy``'s 2 kernels a slot. Each figure
+is the mean over 20 back-to-back replays of one graph (``benchmarks.ops.timing``).
 
-    python -m baton.ops.argmax.bench [--vocab 49152 157184] [--rows 1 4 9] [--gamma 8] [--rank 16] [--json F]
+    python -m benchmarks.ops.bench_argmax [--vocab 49152 157184] [--rows 1 4 9] [--gamma 8] [--rank 16] [--json F]
 
 Floor: a row's fp32 logits (V x 4 bytes, + W2's V x r x 2 for a Markov slot) over 4.2 TB/s, well under a
 microsecond; in practice two kernel launches of ~2 µs each in a graph.
@@ -16,9 +17,13 @@ import json
 
 import torch
 
-from baton.ops.moe.bench import _time_graph
+from benchmarks.ops.timing import graph_time_us
 
 H200_BANDWIDTH = 4.2e12
+
+
+def _graph_us(calls) -> float:
+    return graph_time_us(calls, stat="mean")
 
 
 def bench_argmax(vocabs=(49152, 157184), rows=(1, 4, 9), gamma: int = 8, rank: int = 16) -> list[dict]:
@@ -40,8 +45,8 @@ def bench_argmax(vocabs=(49152, 157184), rows=(1, 4, 9), gamma: int = 8, rank: i
             x = torch.randn(m, v, device=dev)
             assert torch.equal(fast.argmax_rows(x), x.argmax(-1))
             floor = m * v * 4 / H200_BANDWIDTH * 1e6
-            record(op="argmax", vocab=v, rows=m, torch_us=_time_graph([functools.partial(torch.argmax, x, -1)] * 8),
-                   triton_us=_time_graph([functools.partial(fast.argmax_rows, x)] * 8), floor_us=round(floor, 3))
+            record(op="argmax", vocab=v, rows=m, torch_us=_graph_us([functools.partial(torch.argmax, x, -1)] * 8),
+                   triton_us=_graph_us([functools.partial(fast.argmax_rows, x)] * 8), floor_us=round(floor, 3))
         head = MarkovHead(v, rank, device=dev, dtype=torch.bfloat16)
         with torch.no_grad():
             head.w1.weight.normal_()
@@ -58,7 +63,7 @@ def bench_argmax(vocabs=(49152, 157184), rows=(1, 4, 9), gamma: int = 8, rank: i
             fused_chain = functools.partial(fast.markov_greedy, base, anchor, head.w1.weight, head.w2.weight)
             floor = gamma * v * (4 + 2 * rank) / H200_BANDWIDTH * 1e6
             record(op="markov_chain", vocab=v, gamma=gamma, rank=rank, same_tokens=same,
-                   eager_ops_us=_time_graph([eager_chain] * 2), triton_us=_time_graph([fused_chain] * 2),
+                   eager_ops_us=_graph_us([eager_chain] * 2), triton_us=_graph_us([fused_chain] * 2),
                    floor_us=round(floor, 3))
     return out
 

@@ -1,11 +1,13 @@
 """Cold-weight timing of the decode MoE at the Ling-3.0-flash shapes (E=512, d=2560, I=768, top-8, bf16).
 
-``python -m baton.ops.moe.bench [--tokens 1 6 16] [--layers 4] [--sweep] [--fp8] [--json out.jsonl]``
+``python -m benchmarks.ops.bench_moe [--tokens 1 6 16] [--layers 4] [--sweep [--write-table [PATH]]] [--fp8]
+[--json out.jsonl]``
 
 Weights: ``--layers`` independent expert sets (6.04 GB each: 512 x 11.8 MB), cycled call after call, so every call
 reads weights that the previous calls (>= 94 MB of distinct experts each) have flushed from the 50 MB L2, as in the
-model. Each measurement captures ``layers x cycles`` calls into one CUDA graph and replays it, so launch overhead is
-that of graph replay (what decode pays); the host-syncing reference ``fused_experts`` runs eagerly.
+model. Each measurement captures ``layers x cycles`` calls into one CUDA graph and replays it (the mean over 20
+back-to-back replays, ``benchmarks.ops.timing``), so launch overhead is that of graph replay (what decode pays); the
+host-syncing reference ``fused_experts`` runs eagerly.
 
 Routes: ``uniform`` draws every token's 8 experts independently (the worst case: T tokens touch ~8T experts);
 ``correlated`` keeps each of the previous token's experts with probability 0.6 (verify chains share experts).
@@ -16,7 +18,9 @@ Methods: ``triton-direct|aligned|hybrid`` (``fused_experts_decode``; with PDL un
 (the up-projection alone, to split the direct time), ``torch-gather`` (``fused_experts_dense_gather``, the graph-safe
 fallback), ``torch-ref`` (``fused_experts``, eager with its host sync) and the router (``router-triton`` vs
 ``router-torch`` on [T, 512] logits). ``--sweep`` tries tile variants for each mode (up tiles first, then down tiles,
-coordinate descent) and prints the best config per T.
+coordinate descent) and prints the best config per T; with ``--write-table`` the winners of the direct, aligned and
+fp8 sweeps go into this GPU's tile table (baton/ops/moe/tuned/<gpu name>.json, or PATH), as the entry of their
+(kind, T): kinds ``direct``, ``aligned``, ``fp8`` (baton/ops/moe/table.py; hybrid has no entry of its own).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import json
 from collections.abc import Callable, Sequence
 
 import torch
+
+from benchmarks.ops.timing import eager_time_us, graph_time_us
 
 E, D, INTER, TOPK, N_GROUP, TOPK_GROUP = 512, 2560, 768, 8, 8, 4
 EXPERT_BYTES = 3 * INTER * D * 2  # w13 + w2 of one expert, bf16: 11.8 MB
@@ -52,43 +58,12 @@ def _routes(num_tokens: int, kind: str, gen: torch.Generator) -> torch.Tensor:
 
 
 def _time_graph(calls: Sequence[Callable[[], object]], replays: int = 20) -> float:
-    """Capture all ``calls`` into one CUDA graph; µs per call over ``replays`` replays."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:  # warm-up / compile outside capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    us = start.elapsed_time(end) * 1e3 / (replays * len(calls))
-    del graph
-    return us
+    """Capture all ``calls`` into one CUDA graph; µs per call over ``replays`` back-to-back replays."""
+    return graph_time_us(calls, replays, stat="mean")
 
 
 def _time_eager(calls: Sequence[Callable[[], object]], reps: int = 3) -> float:
-    for fn in calls:
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        for fn in calls:
-            fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * len(calls))
+    return eager_time_us(calls, reps, warmup=True, stat="mean")
 
 
 def _tile_variants(mode: str) -> tuple[list, list]:
@@ -119,9 +94,11 @@ def _tile_variants(mode: str) -> tuple[list, list]:
 def bench_moe(tokens: Sequence[int] = (1, 6, 16), layers: int = 4, cycles: int = 2, route_kinds: Sequence[str] = (
         "uniform", "correlated"), modes: Sequence[str] = ("direct", "aligned", "hybrid"), pdl: bool = True,
         sweep: bool = False, torch_baselines: bool = True, seed: int = 0, fp8: bool = False,
-        tp_size: int = 1) -> list[dict]:
+        tp_size: int = 1, write_table: str | None = None) -> list[dict]:
     """Time the decode MoE on CUDA with cold weights; returns one dict per measurement (also printed).
-    ``tp_size``: the experts as one tensor-parallel rank holds them (intermediate size I / tp_size)."""
+    ``tp_size``: the experts as one tensor-parallel rank holds them (intermediate size I / tp_size).
+    ``write_table`` (with ``sweep``): "default" (this GPU's table) or a path; each sweep's winner is merged into it as
+    soon as it is known (the first route kind swept at a (kind, T) gives its entry)."""
     if INTER % tp_size or (fp8 and (INTER // tp_size) % 128):
         raise SystemExit(f"--tp-size {tp_size}: I = {INTER} must split into whole 128-wide fp8 blocks")
     inter = INTER // tp_size
@@ -152,6 +129,7 @@ def bench_moe(tokens: Sequence[int] = (1, 6, 16), layers: int = 4, cycles: int =
     if fp8:  # the direct work list only, and the torch baselines are bf16
         modes, torch_baselines = ["fp8"], False
     results: list[dict] = []
+    tuned: dict[tuple[str, int], dict] = {}
 
     def record(num_tokens: int, kind: str, distinct: float, method: str, us: float, extra: dict | None = None,
                bytes_per_expert: int = expert_bytes):
@@ -202,12 +180,23 @@ def bench_moe(tokens: Sequence[int] = (1, 6, 16), layers: int = 4, cycles: int =
                 if sweep:
                     best = _sweep(mt, mode, num_tokens, calls_for, run)
                     record(num_tokens, kind, distinct, f"triton-{mode}-best", best[0], {"config": repr(best[1])})
+                    if write_table and mode != "hybrid" and (mode, num_tokens) not in tuned:
+                        tuned[(mode, num_tokens)] = {"kind": mode, "max_tokens": num_tokens, "config": best[1],
+                                                     "us": round(best[0], 2), "routes": kind, "inter": inter}
+                        _write_table(list(tuned.values()), write_table)
             if torch_baselines:
                 gather = calls_for(fused_experts_dense_gather, swiglu_limit=4.0)
                 record(num_tokens, kind, distinct, "torch-gather", _time_graph(gather[:layers], replays=5))
                 eager = calls_for(fused_experts, swiglu_limit=4.0)
                 record(num_tokens, kind, distinct, "torch-ref", _time_eager(eager[:layers]))
     return results
+
+
+def _write_table(rows: list[dict], path: str) -> None:
+    from baton.ops.moe import table
+
+    out = table.write_table(rows, torch.cuda.get_device_name(), path)
+    print(f"# wrote {len(rows)} tuned entries to {out}", flush=True)
 
 
 def _torch_router(grouped_topk, logits: torch.Tensor, bias: torch.Tensor):
@@ -259,6 +248,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--routes", nargs="+", default=["uniform", "correlated"])
     ap.add_argument("--no-pdl", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--write-table", nargs="?", const="default", default=None, metavar="PATH",
+                    help="with --sweep: merge the winners into this GPU's tile table (default path: "
+                         "baton/ops/moe/tuned/<gpu name>.json), which the kernels then read")
     ap.add_argument("--no-torch", action="store_true", help="skip the torch baselines")
     ap.add_argument("--fp8", action="store_true",
                     help="fp8 e4m3 experts with 128 x 128 block scales (the direct work list; 3.0 GB a layer)")
@@ -266,8 +258,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                     help="the experts as one rank of this tensor-parallel size holds them (I / tp-size wide)")
     ap.add_argument("--json", default=None, help="write one JSON line per measurement")
     args = ap.parse_args(argv)
+    if args.write_table and not args.sweep:
+        raise SystemExit("--write-table needs --sweep")
     rows = bench_moe(args.tokens, args.layers, args.cycles, args.routes, args.modes, not args.no_pdl, args.sweep,
-                     not args.no_torch, fp8=args.fp8, tp_size=args.tp_size)
+                     not args.no_torch, fp8=args.fp8, tp_size=args.tp_size, write_table=args.write_table)
     if args.json:
         with open(args.json, "w") as f:
             for row in rows:

@@ -1,0 +1,263 @@
+"""The jobs a device session can run: one entry per measurement or test run, read by ``benchmarks.device.run``.
+
+A job is a name, one line saying what it measures, the shell commands it runs (in the repository root, in order,
+each in ``bash``), the GPUs it needs, its time limit, what it needs carried (``NEEDS``) and the files it leaves in
+its result folder ``$R``. The runner gives every command ``R`` (the job's result folder, also exported as ``OUT``,
+where ``benchmarks.common.save`` writes its JSON), ``TMP`` (the device machine's scratch folder, /tmp),
+``BATON_COMMIT``, ``CUDA_VISIBLE_DEVICES`` (the job's GPUs) and the job's ``env``. It stops a job at its limit with
+``stop_signal`` (SIGINT: pytest then prints its failures; SIGABRT for the TP benches: PYTHONFAULTHANDLER dumps the
+ranks' Python stacks), then SIGKILL after ``grace_s``. A ``background`` job runs on in its own process session
+and copy of the tree past the call that started it (training outlasts one 600 s call); the same job named in the
+next call, within the ~30 s the machine stays warm, waits for it and returns what it has so far. ``outputs`` are
+globs under ``$R`` (or absolute, under ``{tmp}``): they, every ``*.log`` in ``$R`` and the runner's own files
+(command.txt, commit.txt, gpu.txt, log.txt, job.json) come back in ``<job>.tgz``; a missing output is noted in
+job.json.
+
+How this list came from benchmarks/device_session.sh (17 single-letter phases, removed with device_run.sh,
+gpu_one_program_ab.sh and gpu_fp8_dense.sh):
+
+- a, b, e, g, n (kernel, attention, graph and sampled-graph tests; SmolLM2 censuses; Ling benches) ->
+  gpu-tests, graph-tests, census-smollm2, smollm2-decode, ling18-nextn, ling-flash-fp8, ling-flash-tp2,
+  ling-flash-fp8-tp2. Dropped: the census variants with BATON_FUSED_ATTENTION on and off (one A/B of 2026-11-30;
+  smollm2-decode keeps the fused-attention A/B in one run) and phase g's "exclusive" censuses (now the census's
+  only attribution: census-smollm2 is the same command).
+- d -> tp2-tests, allreduce-bench, ling-flash-tp2, ling-flash-fp8-tp2.  s -> serve-bench-tp2.
+- m, t, n's and c's tunes, f, f1 -> linear-tune-ling, linear-tune-smol, linear-tune-tp2, moe-tile-sweep,
+  moe-tile-sweep-tp2, op-benches. Dropped: each phase's subset of shapes and M (C_TUNE, TUNE_S, --m 9 alone):
+  the three tune jobs cover the M each model's steps use (Ling 1, 6; SmolLM2 1, 4, 6, 9); and ``merge_table``
+  into the running copy: a tune (linear or MoE) now returns the committed table with its winners merged in, to be
+  committed, and the benches after it read the committed one.
+- c's fp8 work (C_FP8=tp2|one) -> ling-flash-fp8, ling-flash-fp8-tp2, fp8-dense. Dropped: the BATON_FP8_ALIGNED=0
+  fallback when the (then new) aligned fp8 kernels failed their tests, the fp8 lm_head tile sweep (its tile is
+  chosen) and the bf16-draft-head A/B (the fp8 draft head is measured by ling-flash-fp8).
+- r, w -> train-drafts (baton/train/recipe_smollm2.sh in the background) and tp2-tests. Dropped: the TF32 A/B
+  of DSpark's step (answered: 0.312 s/step with TF32, 0.377 without; TF32 stays on, docs/performance.md), and
+  phase r's linear tune on the GPU the data generation left free (the linear-tune-* jobs).
+- x, y -> train-dspark-more (benchmarks/train_more_dspark.sh in the background: MODE=dp NEW_DATA=1, the run the
+  shipped drafter came from). Dropped: the A/Bs of async host-to-device copies (ASYNC_AB: no gain) and
+  --batched-loss (BATCHED_AB: 0.255 against 0.259 s/step) and the one-GPU profile (PROFILE): each answered once;
+  the job's env sets the script's switches (MODE, A_INIT, TRAIN_BUDGET ...) for another run.
+- the GGUF in three parts (.carry0/1/2), GSM8K split over two calls, traindata.tgz -> benchmarks/device/parts.py
+  and ``needs`` (gguf, gsm8k, traindata).
+- device_run.sh (tests, linear bench, SmolLM2 and Ling 18) -> gpu-tests, op-benches, smollm2-decode,
+  ling18-nextn. gpu_one_program_ab.sh -> ab-smollm2, ab-ling18 (its GPU tests of the new tree are graph-tests;
+  its in-run HF peer is smollm2-decode-dummy). gpu_fp8_dense.sh -> fp8-dense, ling-flash-fp8-dense,
+  ling-flash-fp8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["JOBS", "NEEDS", "Job", "Need"]
+
+
+@dataclass(frozen=True)
+class Need:
+    """Something a job needs that does not travel with the tree: it is there when every path exists (``{tmp}``:
+    the device's scratch folder; relative paths: under the repository root); ``how`` says how to send it."""
+
+    paths: tuple[str, ...]
+    how: str
+
+
+NEEDS = {
+    "gguf": Need(("{tmp}/SmolLM2-135M-Instruct.Q4_1.gguf",),
+                 "the embedded SmolLM2 GGUF (98 MB), rebuilt from parts: here `python -m benchmarks.device.parts "
+                 "split`, then carry .carry/part0, .carry/part1, ... one per call, in any order"),
+    "gsm8k": Need(("{tmp}/gsm8k/test.jsonl", "{tmp}/gsm8k/train.jsonl"),
+                  "GSM8K: here `python -m benchmarks.device.parts add ../shared/data/gsm8k`, then carry .carry/data"),
+    "traindata": Need(("{tmp}/traindata.tgz",),
+                      "an earlier session's training data (data/gsm8k.jsonl and data/gsm8k.holdout.jsonl in a "
+                      "traindata.tgz): `python -m benchmarks.device.parts add traindata.tgz`, carry .carry/data"),
+    "ab-trees": Need((".old/commit.txt", ".new/commit.txt"),
+                     "the two trees of an A/B: here `python -m benchmarks.device.parts trees OLD NEW`, then carry "
+                     ".old and .new"),
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    about: str
+    commands: tuple[str, ...]
+    gpus: int = 1
+    limit_s: int = 300
+    needs: tuple[str, ...] = ()
+    outputs: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    stop_signal: str = "INT"
+    grace_s: int = 20
+    background: bool = False
+
+
+# --- pieces several jobs share -----------------------------------------------------------------------------
+PYTEST = "python3 -m pytest -q -p no:cacheprovider -rfEs"
+SMOL_CONFIG = "benchmarks/configs/smollm2-135m-instruct"
+DRAFTS = "baton/drafts/smollm2-135m-instruct"
+TP_ENV = {"PYTHONFAULTHANDLER": "1", "BATON_TP_TIMEOUT": "120"}  # a hung rank fails in 120 s, with its stacks
+TABLE = "baton/ops/linear/tuned/nvidia-h200.json"
+MOE_TABLE = "baton/ops/moe/tuned/nvidia-h200.json"
+
+
+def census(alg: str) -> str:
+    """One census of a SmolLM2 step on dummy weights at its config (a replay's time does not depend on the
+    weights' values); speculation at the GSM8K accept lengths, simulated: none, NEXTN (the shipped head, 3 steps)
+    or DSPARK (the shipped drafter, gamma 8)."""
+    spec = {"none": "--speculative-algorithm none",
+            "NEXTN": f"--speculative-algorithm NEXTN --speculative-draft-model-path {DRAFTS}/nextn "
+                     "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4 "
+                     "--speculative-simulate-accept-len 2.97",
+            "DSPARK": f"--speculative-algorithm DSPARK --speculative-draft-model-path {DRAFTS}/dspark "
+                      "--speculative-num-draft-tokens 9 --speculative-simulate-accept-len 2.90"}[alg]
+    return (f"python3 -m baton census --model-path {SMOL_CONFIG} --load-format dummy {spec} --input-len 512 "
+            f"--num-steps 200 --output-file $R/census_smollm2_{alg}.jsonl")
+
+
+def ling(layers: int, *flags: str) -> str:
+    """benchmarks/bench_ling_flash.py: Ling-3.0-flash's shapes on dummy weights, 8192 in / 1024 out, one request."""
+    return " ".join(["python3 -m benchmarks.bench_ling_flash", f"--num-layers {layers}", "--num-requests 1", *flags])
+
+
+def tune(flags: str) -> str:
+    """The linear kernels' config sweep; the winners merge into $R/nvidia-h200.json (a copy of the committed
+    table, made by the job's first command): commit it as baton/ops/linear/tuned/nvidia-h200.json."""
+    return (f"python3 -m benchmarks.ops.bench_linear --tune {flags} --json $R/tune.json "
+            "--write-table $R/nvidia-h200.json")
+
+
+SMOL_AB = f"--model-path {SMOL_CONFIG} --load-format dummy --input-len 512 --output-len 256"
+MOE_SWEEP = "python3 -m benchmarks.ops.bench_moe --fp8 --sweep --tokens 1 6 --routes uniform --no-torch"
+
+JOBS: list[Job] = [
+    # --- tests ---------------------------------------------------------------------------------------------
+    Job("gpu-tests", "every GPU test of the kernels, models and training on one GPU (graphs and TP2: own jobs)",
+        commands=(f"{PYTEST} -m gpu tests --ignore=tests/engine --ignore=tests/dist --durations=10 "
+                  "--junitxml=$R/junit.xml",),
+        gpus=1, limit_s=480, env={"BATON_TEST_REPORT": "$R/figures.jsonl"}, outputs=("junit.xml", "figures.jsonl")),
+    Job("graph-tests", "captured step programs == uncaptured (plain, NEXTN, DSpark, sampled); the embedded-GGUF "
+                       "test runs when the GGUF is here",
+        commands=(f"{PYTEST} -m gpu tests/engine --durations=10 --junitxml=$R/junit.xml",),
+        gpus=1, limit_s=480, outputs=("junit.xml",)),
+    Job("tp2-tests", "tensor parallelism on two GPUs: one-shot all-reduce == NCCL, TP2 engine == TP1 tokens",
+        commands=(f"{PYTEST} -m gpu tests/dist/test_tp_gpu.py --durations=0 --junitxml=$R/junit.xml",),
+        gpus=2, limit_s=450, env={**TP_ENV, "BATON_TEST_REPORT": "$R/figures.jsonl"},
+        outputs=("junit.xml", "figures.jsonl")),
+    Job("fp8-dense", "fp8 dense projections: their GPU tests, then the kernel at every Ling dense decode shape "
+                     "(M = 1, 6, 17) against bf16 and the floor",
+        commands=(f"{PYTEST} -m gpu tests/ops/test_fp8_dense.py tests/ops/test_fp8_linear.py "
+                  "tests/models/test_fp8_dense.py --junitxml=$R/junit.xml",
+                  "python3 -m benchmarks.ops.bench_fp8_linear --dense --rows 1 6 17 --json $R/fp8_dense_linear.json"),
+        gpus=1, limit_s=330, env={"BATON_TEST_REPORT": "$R/figures.jsonl"},
+        outputs=("junit.xml", "figures.jsonl", "fp8_dense_linear.json")),
+    # --- SmolLM2-135M-Instruct ---------------------------------------------------------------------------
+    Job("smollm2-decode", "the published SmolLM2 figure: plain greedy decode of the embedded GGUF, fused attention "
+                          "off and on, against HF generate and HF StaticCache + torch.compile in the same run",
+        commands=("python3 -m benchmarks.bench_smollm2_decode --fused-attention ab",),
+        gpus=1, limit_s=300, needs=("gguf",), outputs=("smollm2_decode.json",)),
+    Job("smollm2-decode-dummy", "the same decode on dummy weights at SmolLM2's config (no GGUF needed), with the "
+                                "HF compiled peer",
+        commands=(f"python3 -m benchmarks.bench_smollm2_decode --model-path {SMOL_CONFIG} --load-format dummy "
+                  "--skip-hf --repeats 3",),
+        gpus=1, limit_s=240, outputs=("smollm2_decode.json",)),
+    Job("census-smollm2", "GPU time of one SmolLM2 step by kernel category, plain / NEXTN / DSpark (dummy weights, "
+                          "simulated GSM8K accept lengths)",
+        commands=tuple(census(alg) for alg in ("none", "NEXTN", "DSPARK")),
+        gpus=1, limit_s=240, outputs=("census_smollm2_*.jsonl",)),
+    # --- Ling-3.0-flash (dummy weights) ------------------------------------------------------------------
+    Job("ling18-nextn", "18 Ling layers on one GPU: plain decode and NEXTN (5, 1, 6) at simulated accept 3.25, "
+                        "with the census",
+        commands=(ling(18, "--modes plain,nextn"),), gpus=1, limit_s=240, outputs=("ling_flash_*.json",)),
+    Job("ling-flash-fp8", "the whole Ling-3.0-flash (42 layers + MTP) on one GPU with fp8 experts, plain and NEXTN "
+                          "with the fp8 draft lm_head: TPOT, census, peak memory",
+        commands=(ling(42, "--quantization fp8-experts --modes plain,nextn --enable-fp8-draft-lm-head"),),
+        gpus=1, limit_s=330, outputs=("ling_flash_*.json",)),
+    Job("ling-flash-fp8-dense", "the whole model on one GPU with fp8 experts and fp8 dense projections, NEXTN",
+        commands=(ling(42, "--quantization fp8 --modes nextn --enable-fp8-draft-lm-head"),),
+        gpus=1, limit_s=270, outputs=("ling_flash_*.json",)),
+    Job("ling-flash-tp2", "the whole model in bf16 at TP2, plain and NEXTN, with rank 0's census",
+        commands=(ling(42, "--tp-size 2 --modes plain,nextn"),),
+        gpus=2, limit_s=300, env={**TP_ENV, "BATON_TP_ALLREDUCE": "auto"}, stop_signal="ABRT",
+        outputs=("ling_flash_*.json",)),
+    Job("ling-flash-fp8-tp2", "the whole model at TP2 with fp8 experts, plain and NEXTN",
+        commands=(ling(42, "--tp-size 2 --quantization fp8-experts --modes plain,nextn"),),
+        gpus=2, limit_s=330, env={**TP_ENV, "BATON_TP_ALLREDUCE": "auto"}, stop_signal="ABRT",
+        outputs=("ling_flash_*.json",)),
+    Job("serve-bench-tp2", "`baton serve` + `baton bench` at TP2 on the whole Ling-3.0-flash shape (dummy weights, "
+                           "8192 in / 1024 out, concurrency 1), plain then NEXTN",
+        commands=tuple(f"MODE={mode} bash benchmarks/serve_bench.sh $R" for mode in ("plain", "nextn")),
+        gpus=2, limit_s=560, env={"MODEL": "ling-3.0-flash", "TP": "2", "NUM_PROMPTS": "2", "PORT": "30517"},
+        outputs=("bench_*.jsonl", "serve_*.log")),
+    # --- kernels -------------------------------------------------------------------------------------------
+    Job("op-benches", "the kernel microbenchmarks with cold weights: linear (with and without PDL), fp8 lm_head, "
+                      "attention, KDA, argmax",
+        commands=("python3 -m benchmarks.ops.bench_linear --json $R/linear.json",
+                  "python3 -m benchmarks.ops.bench_fp8_linear --json $R/fp8_linear.json",
+                  "python3 -m benchmarks.ops.bench_attention",
+                  "python3 -m benchmarks.ops.bench_kda",
+                  "python3 -m benchmarks.ops.bench_argmax --json $R/argmax.json"),
+        gpus=1, limit_s=450, outputs=("linear.json", "fp8_linear.json", "argmax.json")),
+    Job("moe-bench", "the bf16 MoE kernels (direct, aligned, hybrid work lists) at T = 1, 6, 16 against torch",
+        commands=("python3 -m benchmarks.ops.bench_moe --json $R/moe.jsonl",),
+        gpus=1, limit_s=300, outputs=("moe.jsonl",)),
+    Job("moe-tile-sweep", "every fp8 MoE tile at T = 1 and 6; nvidia-h200.json comes back with the winners merged "
+                          "(commit it as " + MOE_TABLE + ")",
+        commands=(f"cp {MOE_TABLE} $R/nvidia-h200.json",
+                  f"{MOE_SWEEP} --write-table $R/nvidia-h200.json --json $R/moe_fp8_sweep.jsonl"),
+        gpus=1, limit_s=420, outputs=("nvidia-h200.json", "moe_fp8_sweep.jsonl")),
+    Job("moe-tile-sweep-tp2", "the same sweep at one TP2 rank's experts (I / 2 wide; one GPU; not written into the "
+                              "table: its entries are the whole experts'), bf16 direct beside it",
+        commands=(f"{MOE_SWEEP} --tp-size 2 --json $R/moe_fp8_sweep_tp2.jsonl",
+                  "python3 -m benchmarks.ops.bench_moe --modes direct --tokens 1 6 --routes uniform --no-torch "
+                  "--tp-size 2 --json $R/moe_bf16_tp2.jsonl"),
+        gpus=1, limit_s=240, outputs=("moe_fp8_sweep_tp2.jsonl", "moe_bf16_tp2.jsonl")),
+    Job("linear-tune-ling", "tune the linear kernels' configs at Ling's decode shapes, M = 1 and 6; nvidia-h200.json "
+                            "comes back merged (commit it as " + TABLE + ")",
+        commands=(f"cp {TABLE} $R/nvidia-h200.json", tune("--m 1 6 --only ling")),
+        gpus=1, limit_s=480, outputs=("nvidia-h200.json", "tune.json")),
+    Job("linear-tune-smol", "the same at SmolLM2's shapes, M = 1, 4 (NEXTN's verify), 6 and 9 (DSpark's)",
+        commands=(f"cp {TABLE} $R/nvidia-h200.json", tune("--m 1 4 6 9 --only smol")),
+        gpus=1, limit_s=300, outputs=("nvidia-h200.json", "tune.json")),
+    Job("linear-tune-tp2", "the same at one TP2 rank's Ling shapes (ling.tp2.*), M = 1 and 6 (one GPU)",
+        commands=(f"cp {TABLE} $R/nvidia-h200.json", tune("--tp-size 2 --only ling --m 1 6")),
+        gpus=1, limit_s=300, outputs=("nvidia-h200.json", "tune.json")),
+    Job("allreduce-bench", "one all-reduce at decode sizes on two GPUs: NCCL against the one-shot kernel, eager "
+                           "and in a CUDA graph",
+        commands=("python3 -m benchmarks.ops.bench_allreduce --tp-size 2 --json $R/allreduce.json",),
+        gpus=2, limit_s=90, env={**TP_ENV, "BATON_TP_ALLREDUCE": "auto"}, outputs=("allreduce.json",)),
+    # --- before / after: two trees carried as .old and .new (benchmarks/device/parts.py trees) -------------
+    Job("ab-smollm2", "before/after A/B of SmolLM2 TPOT (dummy weights): plain and NEXTN (a random head, simulated "
+                      "accept 3.0), the two trees alternating twice",
+        commands=(f"python3 -m baton convert random-draft --target {SMOL_CONFIG} --algorithm NEXTN "
+                  "--output $TMP/smol_nextn",
+                  "python3 -m benchmarks.device.ab --rounds 2 -- python3 {root}/benchmarks/bench_tpot.py "
+                  f"{SMOL_AB} --label smollm2_plain_{{tree}} --json $R/ab.jsonl",
+                  "python3 -m benchmarks.device.ab --rounds 2 -- python3 {root}/benchmarks/bench_tpot.py "
+                  f"{SMOL_AB} --speculative-algorithm NEXTN --speculative-draft-model-path $TMP/smol_nextn "
+                  "--speculative-num-steps 3 --speculative-simulate-accept-len 3.0 --label smollm2_nextn_{tree} "
+                  "--json $R/ab.jsonl",
+                  "python3 -m benchmarks.device.ab --summary $R/ab.jsonl"),
+        gpus=1, limit_s=480, needs=("ab-trees",), outputs=("ab.jsonl",)),
+    Job("ab-ling18", "before/after A/B of the 18-layer Ling NEXTN (5, 1, 6) benchmark, 256 tokens, each tree's own "
+                     "script; results in old/ and new/",
+        commands=("python3 -m benchmarks.device.ab -- python3 benchmarks/bench_ling_flash.py --num-layers 18 "
+                  "--modes nextn --num-requests 1 --output-len 256",),
+        gpus=1, limit_s=480, needs=("ab-trees",), outputs=("old/*.json", "new/*.json")),
+    # --- training (background: runs on past the call; name the job again in the next call to collect it) ---
+    Job("train-drafts", "retrain the shipped SmolLM2 drafts from scratch (baton/train/recipe_smollm2.sh: data, "
+                        "NEXTN on GPU 0 and DSpark on GPU 1, STS, the GSM8K report); reuses traindata.tgz if here",
+        commands=("mkdir -p $R/train && if [ -f $TMP/traindata.tgz ]; then tar xzf $TMP/traindata.tgz -C $R/train "
+                  "&& export REUSE_DATA=1; fi; bash baton/train/recipe_smollm2.sh $R/train",),
+        gpus=2, limit_s=1500, needs=("gguf", "gsm8k"), background=True,
+        env={"GSM8K": "$TMP/gsm8k", "GPUS": "cuda:0,cuda:1", "NUM_PROMPTS": "3000", "EPOCHS": "2",
+             "DATA_BUDGET": "240", "TRAIN_BUDGET": "300", "MAX_NEW": "320"},
+        outputs=("train/nextn", "train/dspark", "train/drafts_gsm8k_*", "train/data/*.summary.json", "train/*.log")),
+    Job("train-dspark-more", "the shipped DSpark drafter trained further over both GPUs on more GSM8K data "
+                             "(benchmarks/train_more_dspark.sh MODE=dp NEW_DATA=1), then STS and its GSM8K report",
+        commands=("mkdir -p $R/train && tar xzf $TMP/traindata.tgz -C $R/train && "
+                  "bash benchmarks/train_more_dspark.sh $R/train",),
+        gpus=2, limit_s=1500, needs=("gguf", "gsm8k", "traindata"), background=True,
+        env={"GSM8K": "$TMP/gsm8k", "GPUS": "cuda:0,cuda:1", "MODE": "dp", "NEW_DATA": "1", "DATA_BUDGET": "150",
+             "TRAIN_BUDGET": "800", "PROFILE_STEPS": "5"},
+        outputs=("train/dspark_*", "train/drafts_gsm8k_*", "train/data/more_*.jsonl", "train/*.log")),
+]
