@@ -238,6 +238,7 @@ class SpecConfig:
     simulate_accept_len: float | None = None
     dspark_sps_table_path: str | None = None
     dspark_confidence_sts_path: str | None = None
+    adaptive: bool = True  # --speculative-adaptive: the draft depth follows the acceptance (speculative/adaptive.py)
 
     def __post_init__(self) -> None:
         if self.algorithm is None:

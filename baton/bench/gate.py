@@ -383,6 +383,9 @@ def engine_configs(ns: argparse.Namespace) -> tuple[Any, Any]:
     b = server_args_from(merged)
     if not b.spec.enabled:
         raise GateError("config b has no speculation: pass --spec-args '--speculative-algorithm NEXTN ...'")
+    # the gate judges the drafter at its configured depth: adaptive depth would make the accept length a property
+    # of the machine's step times (its exactness is tested in tests/speculative/test_adaptive.py)
+    b = dataclasses.replace(b, spec=dataclasses.replace(b.spec, adaptive=False))
     return dataclasses.replace(b, spec=SpecConfig()), b
 
 

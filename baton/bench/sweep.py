@@ -77,7 +77,7 @@ class SweepConfig:
         if server_args.is_embedded and is_shipped(spec.draft_model_path):  # the default draft: re-pick per kind
             spec = dataclasses.replace(spec, draft_model_path=None, dspark_confidence_sts_path=None)
         spec = dataclasses.replace(spec, algorithm=self.algorithm, num_steps=self.num_steps,
-                                   num_draft_tokens=self.num_draft_tokens)
+                                   num_draft_tokens=self.num_draft_tokens, adaptive=False)  # each point: its depth
         if server_args.is_embedded and spec.draft_model_path is None and self.algorithm is not None:
             spec = with_shipped_drafts(spec, True, self.algorithm)
         return dataclasses.replace(server_args, spec=spec)

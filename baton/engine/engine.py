@@ -29,6 +29,7 @@ from baton.engine.output import OutputTracker
 from baton.layers.context import ModelRunner
 from baton.models.checkpoint import parse_dtype
 from baton.ops.sampling import logits_to_probs, sample_from_probs
+from baton.speculative.adaptive import AdaptiveDepth, FixedDepth, default_depths
 from baton.speculative.base import Drafter
 from baton.types import ForwardMode, Request, SamplingParams, SpecStats, StepOutput
 
@@ -79,6 +80,7 @@ class Engine:
         self._sim_generator = torch.Generator().manual_seed(args.seed)
         self._observers: list[Callable[[RequestTrace], None]] = []
         self.program = self._make_program()
+        self.depth_policy = self._make_policy()
 
     def _make_program(self):
         """The one decode program: captured as CUDA graphs on CUDA, run uncaptured on the CPU and with
@@ -88,14 +90,35 @@ class Engine:
         sim_table = None  # --speculative-simulate-accept-len: accepted counts, cycled by the step counter
         if self.drafter is not None and self.server_args.spec.simulate_accept_len is not None:
             sim_table = self.simulated_accept_table(self.num_draft_tokens - 1)
+        depths = default_depths(self.num_draft_tokens - 1) if self._adaptive() else None
         capture = self.device.type == "cuda" and not self.server_args.disable_cuda_graph
         return StepProgram(self.model, self.runner.cache, self.drafter, self.num_draft_tokens, self.dtype,
-                           self.device, sim_table=sim_table, capture=capture)
+                           self.device, depths=depths, sim_table=sim_table, capture=capture)
+
+    def _adaptive(self) -> bool:
+        spec = self.server_args.spec
+        return self.drafter is not None and spec.adaptive and spec.simulate_accept_len is None
+
+    def _make_policy(self) -> AdaptiveDepth | FixedDepth:
+        """The depth policy: adaptive (each depth's step time measured now; under tensor parallelism rank 0's, so
+        every rank makes the same choices), or the full depth always."""
+        if not self._adaptive():
+            return FixedDepth(self.program.max_depth)
+        step_ms = self.program.time_depths()
+        if dist.tp_size() > 1:
+            step_ms = dist.broadcast_object(step_ms)
+        log.info("draft depth step times (ms): %s", ", ".join(f"{d}: {t:.2f}" for d, t in step_ms.items()))
+        return AdaptiveDepth(self.program.depths, step_ms, online_times=dist.tp_size() == 1)
 
     def set_drafter(self, drafter: Drafter) -> None:
-        """Replace the drafter (same number of drafts); the step program is built again around it."""
+        """Replace the drafter (same number of drafts); the step program and the depth policy are built again."""
         self.drafter = drafter
         self.program = self._make_program()
+        self.depth_policy = self._make_policy()
+
+    def set_depth_policy(self, policy) -> None:
+        """Replace the depth policy (tests: a fixed schedule); its depths must be among ``program.depths``."""
+        self.depth_policy = policy
 
     def _apply_precision(self, args: ServerArgs) -> None:
         """Router gate and lm_head run in the model dtype unless the flags keep fp32 copies (made once here)."""
@@ -201,10 +224,10 @@ class Engine:
         if sp.max_new_tokens == 0:
             yield StepOutput([], "", True, {"type": "length", "length": 0})
             return
-        program = self.program
+        program, policy = self.program, self.depth_policy
         sampled = not sp.is_greedy
         if sampled:  # the sampled bodies (captured at first use, before this request's state exists) read the
-            program.sampled_replays()  # default generator: seeded here, so a seed repeats the request
+            program.prepare_sampled()  # default generator: seeded here, so a seed repeats the request
             self._seed_default_generator(_request_seed(sp))
             program.relay.set_sampling(sp.temperature, sp.top_k, sp.top_p, sp.min_p)
         anchor, pos = self._prefill(req)
@@ -218,20 +241,33 @@ class Engine:
         gc_enabled = gc.isenabled()
         gc.disable()  # a collection pause in the loop eats the host's slack
         sync_check = torch.cuda.set_sync_debug_mode if env.sync_debug() and program.capture else None
+        on_cpu = self.device.type == "cpu"  # the step runs inside program.step: its time is the call's
+        policy.begin_request()
+        depths = [policy.choose()]  # the depth of each enqueued step (the policy sees step k after enqueueing k+1)
         try:
             with _sync_debug(sync_check):
-                program.step(host_step, sampled)
+                program.step(host_step, sampled, depths[0])
+                read_at = time.perf_counter()
                 while not out.finished:
                     if should_abort():
                         e = out.abort()
                         yield StepOutput([], e.text, True, e.finish_reason, num_verify, simulated)
                         return
                     host_step += 1
-                    program.step(host_step, sampled)  # enqueue step k+1 ...
+                    depths.append(policy.choose())
+                    t0 = time.perf_counter()
+                    program.step(host_step, sampled, depths[host_step])  # enqueue step k+1 ...
+                    t1 = time.perf_counter()
                     tokens = program.relay.read(host_step - 1)  # ... then read step k
                     if spec:
                         num_verify += 1
                         self.spec_stats.record(len(tokens) - 1)
+                        policy.observe(depths[host_step - 1], len(tokens) - 1)
+                        if on_cpu:
+                            policy.observe_time(depths[host_step], 1000 * (t1 - t0))
+                        elif host_step > 1:  # GPU-bound: the wait between reads is the step's own time
+                            policy.observe_time(depths[host_step - 1], 1000 * (time.perf_counter() - read_at))
+                        read_at = time.perf_counter()
                     sequence += tokens
                     yield self._emit(out, tokens, num_verify, simulated)
         finally:

@@ -24,6 +24,7 @@ rejection rule with a one-hot q (lossless: ``spec.verify.rejection_verify``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -43,13 +44,16 @@ log = logging.getLogger(__name__)
 
 class StepProgram:
     """The decode step program of one engine: ``model`` over ``cache``, with ``drafter`` (None: plain decoding)
-    proposing ``num_verify - 1`` drafts a step. ``sim_table``: accepted-draft counts cycled by the step counter
+    proposing up to ``num_verify - 1`` drafts a step. ``depths``: the draft depths the program can run (each its
+    own set of bodies over the same relay; default: only the full depth k); a step at depth d verifies the anchor
+    and d drafts (d = 0: the anchor alone, and the drafter still extends over it, so it can speculate again at
+    the next step). ``sim_table``: accepted-draft counts cycled by the step counter
     (``--speculative-simulate-accept-len``), or None for real verification. ``capture``: CUDA graphs (CUDA
     only); False runs the same bodies eagerly."""
 
     def __init__(self, model: CausalLM, cache: ModelCache, drafter: Drafter | None, num_verify: int,
-                 dtype: torch.dtype, device: torch.device, *, sim_table: torch.Tensor | None = None,
-                 capture: bool = True) -> None:
+                 dtype: torch.dtype, device: torch.device, *, depths: Sequence[int] | None = None,
+                 sim_table: torch.Tensor | None = None, capture: bool = True) -> None:
         from baton.engine.relay import Relay
 
         self.model = model
@@ -57,6 +61,10 @@ class StepProgram:
         self.drafter = drafter
         self.spec = drafter is not None
         self.num_verify = num_verify  # k + 1 (1 for plain decode)
+        self.max_depth = num_verify - 1
+        self.depths = tuple(sorted(set(depths))) if (depths and self.spec) else (self.max_depth,)
+        if self.depths[0] < 0 or self.depths[-1] != self.max_depth:
+            raise ValueError(f"depths {self.depths} must lie in [0, {self.max_depth}] and include {self.max_depth}")
         self.device = device
         feature_dim = drafter.feature_dim if drafter is not None else 0
         self.relay = Relay(num_verify, model.config.hidden_size, dtype, device, feature_dim)
@@ -64,11 +72,25 @@ class StepProgram:
         self.arange = torch.arange(num_verify, device=device)
         self.one = torch.ones(1, dtype=torch.long, device=device)
         self.sim_table = sim_table if self.spec else None
-        bodies = [self._draft, self._verify, self._extend] if self.spec else [self._decode]
+        if self.sim_table is not None and len(self.depths) > 1:
+            raise ValueError("simulated acceptance runs at one depth (the full one)")
         self.capture = capture
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.replays = self._build(bodies)
-        self._sampled_replays = None  # captured on the first sampled request
+        self._replays = {d: self._build(self._bodies(d, sampled=False)) for d in self.depths}
+        self._sampled: dict[int, list] | None = None  # captured on the first sampled request
+
+    @property
+    def replays(self) -> list:
+        """The full-depth step's replays (what the census times)."""
+        return self._replays[self.max_depth]
+
+    def _bodies(self, depth: int, sampled: bool) -> list:
+        if not self.spec:
+            return [self._decode_sampled if sampled else self._decode]
+        rows = self.arange[: depth + 1]
+        verify = self._verify_sampled if sampled else self._verify
+        bodies = [lambda: self._draft(rows)] if depth > 0 else []
+        return bodies + [lambda: verify(rows), lambda: self._extend(rows)]
 
     def _build(self, bodies) -> list:
         if not self.capture:
@@ -79,12 +101,15 @@ class StepProgram:
         torch.cuda.synchronize(self.device)
         return replays
 
-    def sampled_replays(self) -> list:
+    def _sampled_replays(self) -> dict[int, list]:
         """The sampled program's graphs (captured now if this is the first sampled request)."""
-        if self._sampled_replays is None:
-            bodies = [self._draft, self._verify_sampled, self._extend] if self.spec else [self._decode_sampled]
-            self._sampled_replays = self._build(bodies)
-        return self._sampled_replays
+        if self._sampled is None:
+            self._sampled = {d: self._build(self._bodies(d, sampled=True)) for d in self.depths}
+        return self._sampled
+
+    def prepare_sampled(self) -> None:
+        """Capture the sampled bodies if they are not yet (before a sampled request's state exists)."""
+        self._sampled_replays()
 
     # ---- the step bodies ----
 
@@ -110,42 +135,47 @@ class StepProgram:
         r = self.relay
         return logits_to_probs_t(self.model.compute_logits(hidden), r.temperature, r.top_k, r.top_p, r.min_p)
 
-    def _draft(self) -> None:
-        self.drafter.draft(self.relay, self.arange)
+    def _draft(self, rows: torch.Tensor) -> None:
+        """The drafter's body for ``rows.shape[0] - 1`` drafts; a drafter that proposes more (DSpark's block)
+        has them verified only up to this depth."""
+        self.drafter.draft(self.relay, rows)
 
-    def _verify_forward(self) -> torch.Tensor:
-        """The target over [anchor, drafts] at pos .. pos + k; hidden states (and tapped features) to the relay."""
+    def _verify_forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """The target over [anchor, d drafts] at pos .. pos + d; hidden states (and tapped features) to the relay."""
         r = self.relay
-        ids = torch.cat([r.anchor, r.draft_tokens])
-        active = r.num_drafts + 1 if self.drafter.variable_prefix else None  # rows past it read no experts
-        ctx = ForwardContext(ForwardMode.VERIFY, r.pos + self.arange, self.cache, kv_len=r.kv_len(ids.shape[0]),
+        n = rows.shape[0]
+        ids = torch.cat([r.anchor, r.draft_tokens[: n - 1]])
+        active = r.num_drafts + 1 if self.drafter.variable_prefix and n > 1 else None  # rows past it: no experts
+        ctx = ForwardContext(ForwardMode.VERIFY, r.pos + rows, self.cache, kv_len=r.kv_len(n),
                              capture_layer_ids=self.drafter.capture_layer_ids, active_rows=active)
         hidden = self.model(ids, ctx)
-        r.verify_hidden.copy_(hidden)
+        r.verify_hidden[:n].copy_(hidden)
         if r.verify_features is not None:
-            r.verify_features.copy_(self.drafter.features(ctx.captured))
+            r.verify_features[:n].copy_(self.drafter.features(ctx.captured))
         return hidden
 
-    def _verify(self) -> None:
+    def _verify(self, rows: torch.Tensor) -> None:
         r = self.relay
-        predict = self.model.greedy_tokens(self._verify_forward())  # [k+1]: no full logits gathered under TP
+        drafts = r.draft_tokens[: rows.shape[0] - 1]
+        predict = self.model.greedy_tokens(self._verify_forward(rows))  # [d+1]: no full logits gathered under TP
         if self.sim_table is None:
-            verdict = greedy_verify_tokens(r.draft_tokens, predict, r.num_drafts)
+            verdict = greedy_verify_tokens(drafts, predict, r.num_drafts)
         else:
             a = self._simulated_accept()
-            verdict = verdict_from(r.draft_tokens, a, predict.index_select(0, a)[0])
+            verdict = verdict_from(drafts, a, predict.index_select(0, a)[0])
         self._commit(verdict)
 
-    def _verify_sampled(self) -> None:
-        """The sampled verify: target probabilities of the k + 1 rows, the rejection rule against argmax drafts
+    def _verify_sampled(self, rows: torch.Tensor) -> None:
+        """The sampled verify: target probabilities of the d + 1 rows, the rejection rule against argmax drafts
         (q one-hot), the correction or bonus drawn from the residual (the default generator)."""
         r = self.relay
-        probs = self._probs(self._verify_forward())  # [k+1, V]
+        drafts = r.draft_tokens[: rows.shape[0] - 1]
+        probs = self._probs(self._verify_forward(rows))  # [d+1, V]
         if self.sim_table is None:
-            verdict = rejection_verify(r.draft_tokens, None, probs, None, r.num_drafts)
+            verdict = rejection_verify(drafts, None, probs, None, r.num_drafts)
         else:
             a = self._simulated_accept()
-            verdict = verdict_from(r.draft_tokens, a, sample_from_probs(probs.index_select(0, a), None)[0])
+            verdict = verdict_from(drafts, a, sample_from_probs(probs.index_select(0, a), None)[0])
         self._commit(verdict)
 
     def _simulated_accept(self) -> torch.Tensor:
@@ -156,13 +186,13 @@ class StepProgram:
         self.cache.commit(verdict.num_accepted)
         r.extend_pos.copy_(r.pos)
         r.num_accepted.copy_(verdict.num_accepted.reshape(1))
-        r.accepted_tokens.copy_(verdict.accepted_tokens)
+        r.accepted_tokens[: verdict.accepted_tokens.shape[0]].copy_(verdict.accepted_tokens)
         r.publish(verdict.accepted_tokens, verdict.num_accepted + 1)
         r.pos.add_(verdict.num_accepted + 1)
         r.anchor.copy_(verdict.bonus.reshape(1))
 
-    def _extend(self) -> None:
-        self.drafter.extend(self.relay, self.arange)
+    def _extend(self, rows: torch.Tensor) -> None:
+        self.drafter.extend(self.relay, rows)
 
     # ---- capture and replay ----
 
@@ -186,8 +216,38 @@ class StepProgram:
         if self.spec:
             self.drafter.start(self.relay)
 
-    def step(self, host_step: int, sampled: bool = False) -> None:
-        """Enqueue one decode step and the copy of its committed tokens; returns without waiting."""
-        for replay in self.sampled_replays() if sampled else self.replays:
+    def step(self, host_step: int, sampled: bool = False, depth: int | None = None) -> None:
+        """Enqueue one decode step at ``depth`` (one of ``depths``; None: the full depth) and the copy of its
+        committed tokens; returns without waiting."""
+        replays = self._sampled_replays() if sampled else self._replays
+        for replay in replays[self.max_depth if depth is None else depth]:
             replay()
         self.relay.enqueue_copy(host_step)
+
+    def time_depths(self, repeats: int = 3) -> dict[int, float]:
+        """Milliseconds of one greedy step at each depth, measured now (between requests: it runs the bodies on
+        whatever the relay and caches hold, which the next request's prefill resets). The first run of each
+        depth is a warm-up."""
+        import time
+
+        times: dict[int, float] = {}
+        with torch.inference_mode():
+            for d in self.depths:
+                self.relay.pos.zero_()
+                self.relay.num_drafts.fill_(self.relay.max_drafts)
+                for replay in self._replays[d]:  # warm
+                    replay()
+                samples = []
+                for _ in range(repeats):
+                    self.relay.pos.zero_()
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    t0 = time.perf_counter()
+                    for replay in self._replays[d]:
+                        replay()
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    samples.append(1000 * (time.perf_counter() - t0))
+                times[d] = sorted(samples)[len(samples) // 2]
+        self.relay.pos.zero_()
+        return times

@@ -251,25 +251,30 @@ class DSparkDrafter(Drafter):
     def draft(self, relay, arange) -> None:
         """The backbone over the trained block [anchor, MASK x (B-1)] (see __init__), the first gamma slots' drafts
         (DSpark: the Markov chain, greedy; DFlash: the argmax of each slot), and with an SPS table the prefix the
-        verify may accept (``relay.num_drafts``, decided on the device)."""
-        h = self.block_hidden(relay.anchor, relay.pos, relay.kv_len(0))
+        verify may accept (``relay.num_drafts``, decided on the device). At a step depth d < gamma
+        (``arange.shape[0] - 1``) only the first d slots go on to logits, the chain and the rule: the chain runs left
+        to right and the rule stops at its first failure, so their first d results are those of the whole block."""
+        d = arange.shape[0] - 1
+        h = self.block_hidden(relay.anchor, relay.pos, relay.kv_len(0))[:d]
         if not self.use_heads:
-            relay.draft_tokens.copy_(self.target.greedy_tokens(h, draft=True))
+            relay.draft_tokens[:d].copy_(self.target.greedy_tokens(h, draft=True))
             return
-        base_logits = self.target.compute_logits(h, draft=True)  # [gamma, V] (gathered under TP: one collective)
+        base_logits = self.target.compute_logits(h, draft=True)  # [d, V] (gathered under TP: one collective)
         head = self.model.markov_head  # the greedy chain in 2 kernels a slot on CUDA (ops/argmax)
         tokens = markov_greedy(base_logits, relay.anchor, head.w1.weight, head.w2.weight)
-        relay.draft_tokens.copy_(tokens)
+        relay.draft_tokens[:d].copy_(tokens)
         if self.sps_values is not None:
             prev_emb = head.w1(torch.cat([relay.anchor, tokens[:-1]]))  # W1[prev_k]: the anchor, then slot k-1's
-            a = survival(self.model.confidence_logits(h, prev_emb), self.sts_temperatures)
-            num = prefix_len_device(a, self.sps_values)
+            temps = None if self.sts_temperatures is None else self.sts_temperatures[:d]
+            a = survival(self.model.confidence_logits(h, prev_emb), temps)
+            num = prefix_len_device(a, self.sps_values[: d + 1])
             relay.num_drafts.copy_(dist.broadcast(num.reshape(1)))  # rank 0's: every rank accepts the same prefix
 
     def extend(self, relay, arange) -> None:
         """Context K/V of every verify row at extend_pos + i; rows past the accept count land at positions the
         next block overwrites before any query reads them as context."""
-        self.model.write_context(relay.verify_features, relay.extend_pos + arange, self.caches)
+        n = arange.shape[0]
+        self.model.write_context(relay.verify_features[:n], relay.extend_pos + arange, self.caches)
 
 
 # ---- building from a SpecConfig ----

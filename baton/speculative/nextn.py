@@ -48,17 +48,19 @@ class NextNDrafter(Drafter):
         relay.draft_hidden.copy_(self._hidden)
 
     def draft(self, relay, arange) -> None:
-        """All chain forwards of one step: the first draft came from the last extend."""
+        """The chain forwards of one step, ``arange.shape[0] - 1`` drafts (the step's depth): the first draft came
+        from the last extend."""
         tokens, hidden = [relay.first_draft], relay.draft_hidden
-        for j in range(1, self.num_steps):
+        for j in range(1, arange.shape[0] - 1):
             hidden = self._forward(relay, ForwardMode.DRAFT, tokens[-1], hidden, relay.pos + (j - 1))
             tokens.append(self.target.greedy_tokens(hidden, draft=True))
-        relay.draft_tokens.copy_(torch.cat(tokens))
+        relay.draft_tokens[: len(tokens)].copy_(torch.cat(tokens))
 
     def extend(self, relay, arange) -> None:
-        """Replay every verify row (rows past the accept count are overwritten before they are read); row
-        ``num_accepted`` seeds the next round."""
-        g = self._forward(relay, ForwardMode.EXTEND, relay.accepted_tokens, relay.verify_hidden,
+        """Replay every verify row of the step (rows past the accept count are overwritten before they are read);
+        row ``num_accepted`` seeds the next round."""
+        n = arange.shape[0]
+        g = self._forward(relay, ForwardMode.EXTEND, relay.accepted_tokens[:n], relay.verify_hidden[:n],
                           relay.extend_pos + arange)
         row = g.index_select(0, relay.num_accepted)
         relay.draft_hidden.copy_(row)

@@ -49,7 +49,7 @@ def spec_args(target_args: ServerArgs, algorithm: str, draft_path: str, num_step
     """``target_args`` with speculative decoding by the draft at ``draft_path``."""
     spec = SpecConfig(algorithm=algorithm, draft_model_path=draft_path,
                       num_steps=num_steps if algorithm.upper() in ("NEXTN", "EAGLE") else None,
-                      dspark_confidence_sts_path=sts_path)
+                      dspark_confidence_sts_path=sts_path, adaptive=False)  # the drafts at full depth
     return dataclasses.replace(target_args, spec=spec)
 
 

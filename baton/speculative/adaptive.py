@@ -1,0 +1,144 @@
+"""Adaptive draft depth, per request: speculate only as deep as pays.
+
+A step at depth d verifies the anchor and d drafts and commits 1 + (accepted drafts) tokens; it costs t(d). With
+p_i the probability that draft i is accepted given drafts 1..i-1 were, a step at depth d commits on average
+``E(d) = 1 + sum_{i<=d} prod_{j<=i} p_j`` tokens, so the policy picks the depth with the most tokens per second,
+``E(d) / t(d)`` (d = 0: plain decoding, whose E is 1). The p_i are exponential moving averages of what the verify
+reports: a step at depth d that accepted a drafts saw drafts 1..a accepted and, if a < d, draft a+1 rejected;
+deeper positions are not seen. Each request starts from the engine's running estimate (what earlier requests
+saw), so a second request of the same kind starts at the right depth.
+
+A depth below the maximum leaves the deeper positions unobserved, and depth 0 observes nothing, so every
+``probe_interval`` steps below the maximum the policy runs one step at the full depth; a probe that does not
+bring a deeper choice doubles the interval (up to ``max_probe_interval``), one that does resets it. A request
+that turns predictable therefore gets its speculation back within a few probes.
+
+The step times t(d) come from ``StepProgram.time_depths`` at start-up (under tensor parallelism rank 0's, so
+every rank decides alike) and, when ``online_times`` is on (one process), an exponential moving average of the
+host's measured step time at each depth. The policy sees only what the host reads anyway, one step late (the
+committed tokens), so it adds no device synchronisation; the depth it picks is one of the program's captured
+variants. Greedy output does not depend on the depth (each verify is exact); sampled output keeps the target's
+distribution at any depth (the rejection rule is exact for any number of drafts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def default_depths(max_depth: int) -> tuple[int, ...]:
+    """The depths an adaptive program captures: 0, the powers of two below ``max_depth``, and ``max_depth``."""
+    out = {0, max_depth}
+    d = 1
+    while d < max_depth:
+        out.add(d)
+        d *= 2
+    return tuple(sorted(out))
+
+
+class FixedDepth:
+    """Always the full depth (``--speculative-adaptive off``, simulated acceptance)."""
+
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth = max_depth
+
+    def begin_request(self) -> None:
+        pass
+
+    def choose(self) -> int:
+        return self.max_depth
+
+    def observe(self, depth: int, accepted: int) -> None:
+        pass
+
+    def observe_time(self, depth: int, step_ms: float) -> None:
+        pass
+
+
+class AdaptiveDepth:
+    """The adaptive policy (module docstring). ``depths``: the program's depth variants, including 0 and the
+    maximum; ``step_ms``: t(d) for each. ``prior``: the acceptance estimate before anything was seen."""
+
+    def __init__(self, depths: Sequence[int], step_ms: dict[int, float], *, prior: float = 0.6,
+                 decay: float = 0.15, time_decay: float = 0.1, probe_interval: int = 8,
+                 max_probe_interval: int = 64, online_times: bool = False) -> None:
+        self.depths = tuple(sorted(depths))
+        self.max_depth = self.depths[-1]
+        missing = [d for d in self.depths if d not in step_ms]
+        if missing or any(step_ms[d] <= 0 for d in self.depths):
+            raise ValueError(f"step times needed (> 0) for every depth {self.depths}: got {step_ms}")
+        self.step_ms = {d: float(step_ms[d]) for d in self.depths}
+        self.decay, self.time_decay = decay, time_decay
+        self.base_interval, self.max_interval = probe_interval, max_probe_interval
+        self.online_times = online_times
+        self.shared = [prior] * self.max_depth  # p_1..p_k across requests (the next request's start)
+        self.p = list(self.shared)
+        self.interval = probe_interval
+        self.since_full = 0  # steps chosen below the full depth since the last full-depth one
+        self.choice = self.max_depth
+
+    def begin_request(self) -> None:
+        self.p = list(self.shared)
+        self.interval = self.base_interval
+        self.since_full = 0
+        self.choice = self.best()
+
+    def expected_tokens(self, depth: int) -> float:
+        total, run = 1.0, 1.0
+        for i in range(depth):
+            run *= self.p[i]
+            total += run
+        return total
+
+    def best(self) -> int:
+        """The depth with the most expected tokens per millisecond (ties: the shallower)."""
+        return max(self.depths, key=lambda d: (self.expected_tokens(d) / self.step_ms[d], -d))
+
+    def choose(self) -> int:
+        """The depth of the next step."""
+        if self.choice == self.max_depth:
+            return self.choice
+        if self.since_full >= self.interval:  # a probe
+            self.since_full = 0
+            return self.max_depth
+        self.since_full += 1
+        return self.choice
+
+    def observe_time(self, depth: int, step_ms: float) -> None:
+        """A step at ``depth`` took ``step_ms`` (host-measured); used only with ``online_times``."""
+        if self.online_times and step_ms > 0:
+            self.step_ms[depth] += self.time_decay * (step_ms - self.step_ms[depth])
+
+    def observe(self, depth: int, accepted: int) -> None:
+        """A step at ``depth`` accepted ``accepted`` drafts."""
+        seen = min(accepted + 1, depth)
+        for i in range(seen):
+            hit = 1.0 if i < accepted else 0.0
+            self.p[i] += self.decay * (hit - self.p[i])
+            self.shared[i] += self.decay * (hit - self.shared[i])
+        before = self.choice
+        self.choice = self.best()
+        if depth == self.max_depth and before < self.max_depth:  # a probe: back off unless it paid
+            self.interval = self.base_interval if self.choice > before else min(2 * self.interval, self.max_interval)
+
+
+class ScheduledDepth:
+    """Depths from a fixed cycle (tests: depth changes in the middle of a request, on every drafter)."""
+
+    def __init__(self, schedule: Sequence[int]) -> None:
+        self.schedule = list(schedule)
+        self.i = 0
+
+    def begin_request(self) -> None:
+        self.i = 0
+
+    def choose(self) -> int:
+        d = self.schedule[self.i % len(self.schedule)]
+        self.i += 1
+        return d
+
+    def observe(self, depth: int, accepted: int) -> None:
+        pass
+
+    def observe_time(self, depth: int, step_ms: float) -> None:
+        pass

@@ -1,0 +1,182 @@
+"""Adaptive draft depth (baton/speculative/adaptive.py): the policy itself, and the invariant that greedy output
+does not depend on the depth, for every drafter, with depth changes in the middle of a request (fp32, CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from baton.speculative.adaptive import AdaptiveDepth, FixedDepth, ScheduledDepth, default_depths
+from tests.speculative.conftest import make_engine
+from tests.speculative.test_dspark import _draft_for, _memorise_bigrams
+from tests.speculative.test_spec_core import PROMPT, run
+
+# ---- the policy ----
+
+TIMES = {0: 10.0, 1: 11.0, 2: 12.0, 4: 14.0, 8: 18.0}  # ms: a verify row costs 10% of a step
+
+
+def _policy(**kw) -> AdaptiveDepth:
+    return AdaptiveDepth(sorted(TIMES), TIMES, **kw)
+
+
+def _feed(policy: AdaptiveDepth, accept, steps: int) -> list[int]:
+    """Run ``steps`` steps, each accepting ``accept(depth)`` drafts; the depths chosen, in order."""
+    chosen = []
+    for _ in range(steps):
+        d = policy.choose()
+        chosen.append(d)
+        policy.observe(d, accept(d))
+    return chosen
+
+
+def test_default_depths():
+    assert default_depths(1) == (0, 1)
+    assert default_depths(5) == (0, 1, 2, 4, 5)
+    assert default_depths(8) == (0, 1, 2, 4, 8)
+    assert default_depths(15) == (0, 1, 2, 4, 8, 15)
+
+
+def test_expected_tokens_and_best_depth():
+    p = _policy(prior=1.0)
+    assert p.expected_tokens(0) == 1.0 and p.expected_tokens(4) == 5.0
+    assert p.best() == 8  # every draft accepted: 9 tokens in 18 ms beats 1 in 10
+    p = _policy(prior=0.0)
+    assert p.best() == 0  # nothing accepted: plain decoding
+    p = _policy(prior=0.5)  # E(d) = 2 - 0.5^d: 1, 1.5, 1.75, 1.94, 2.0 tokens in 10, 11, 12, 14, 18 ms
+    assert [round(p.expected_tokens(d), 4) for d in sorted(TIMES)] == [1.0, 1.5, 1.75, 1.9375, 1.9961]
+    assert p.best() == 2  # 0.1458 tokens / ms, the most
+
+
+def test_drops_depth_on_rejections_and_regains_it_on_acceptances():
+    p = _policy(prior=0.9)
+    p.begin_request()
+    assert p.choose() == 8
+    chosen = _feed(p, lambda d: 0, 60)  # every draft rejected
+    assert chosen[-1] == 0 and chosen[:3].count(8) >= 1  # starts deep, ends at plain decoding
+    tail = chosen[20:]
+    assert 0 < tail.count(8) <= len(tail) // 6  # it still probes, rarely (the interval backs off)
+    chosen = _feed(p, lambda d: d, 80)  # now every draft is accepted
+    assert chosen[-10:] == [8] * 10  # a probe saw it and the depth came back
+
+
+def test_probe_interval_backs_off_and_resets():
+    p = _policy(prior=0.0, probe_interval=4, max_probe_interval=16)
+    p.begin_request()
+    chosen = _feed(p, lambda d: 0, 100)
+    probes = [i for i, d in enumerate(chosen) if d == 8]
+    gaps = [b - a for a, b in zip(probes, probes[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] == 17  # 4, 8, 16 steps below the full depth between probes, then 16
+    assert p.interval == 16
+
+
+def test_a_request_starts_from_what_earlier_requests_saw():
+    p = _policy(prior=0.9)
+    p.begin_request()
+    _feed(p, lambda d: 0, 40)
+    p.begin_request()
+    assert p.choose() == 0  # the next request does not start by paying for deep drafts again
+
+
+def test_online_step_times():
+    p = _policy(prior=0.5, online_times=True, time_decay=0.5)
+    p.observe_time(8, 30.0)
+    assert p.step_ms[8] == 24.0
+    q = _policy(prior=0.5)  # off: the start-up table stays
+    q.observe_time(8, 30.0)
+    assert q.step_ms[8] == 18.0
+
+
+def test_bad_tables_are_refused():
+    with pytest.raises(ValueError, match="step times"):
+        AdaptiveDepth([0, 1, 2], {0: 1.0, 2: 1.0})
+    with pytest.raises(ValueError, match="step times"):
+        AdaptiveDepth([0, 1], {0: 1.0, 1: 0.0})
+
+
+def test_fixed_depth():
+    f = FixedDepth(5)
+    f.begin_request()
+    assert f.choose() == 5
+
+
+# ---- greedy output does not depend on the depth ----
+
+SCHEDULE = [4, 0, 1, 2, 4, 0, 0, 2, 1, 4, 4, 0]  # depth changes at every step, and runs of one depth
+
+
+def _scheduled(engine, schedule=SCHEDULE) -> None:
+    depths = set(engine.program.depths)
+    engine.set_depth_policy(ScheduledDepth([d if d in depths else max(depths) for d in schedule]))
+
+
+def _drafts(tmp_path, target: str, plain_tokens: list[int], **kw) -> str:
+    draft = _draft_for(tmp_path, target, **kw)
+    _memorise_bigrams(draft, PROMPT + plain_tokens)
+    return draft
+
+
+@pytest.mark.parametrize("target", ["ling", "llama"])
+def test_nextn_with_depth_changes_equals_plain(plain, ling_path, llama_path, llama_nextn_path, target):
+    path = ling_path if target == "ling" else llama_path
+    extra = {} if target == "ling" else {"draft_model_path": llama_nextn_path}
+    engine = make_engine(path, algorithm="NEXTN", num_steps=4, **extra)
+    assert engine.program.depths == (0, 1, 2, 4)
+    _scheduled(engine)
+    tokens, verify = run(engine)
+    assert tokens == plain[target]
+    assert verify > 0
+
+
+@pytest.mark.parametrize("algorithm", ["DSPARK", "DFLASH"])
+@pytest.mark.parametrize("target", ["ling", "llama"])
+def test_block_drafts_with_depth_changes_equal_plain(tmp_path, plain, ling_path, llama_path, algorithm, target):
+    path = ling_path if target == "ling" else llama_path
+    draft = _drafts(tmp_path, path, plain[target], block_size=4, markov_rank=64)
+    engine = make_engine(path, algorithm=algorithm, draft_model_path=draft, num_draft_tokens=5)
+    _scheduled(engine)
+    tokens, _ = run(engine)
+    assert tokens == plain[target]
+    if algorithm == "DSPARK":
+        assert engine.spec_stats.accept_histogram.keys() - {0}, "some drafts were accepted"
+
+
+def test_dspark_prefix_rule_with_depth_changes_equals_plain(tmp_path, plain, ling_path):
+    draft = _drafts(tmp_path, ling_path, plain["ling"], block_size=6, markov_rank=64)
+    sps = tmp_path / "sps.json"
+    sps.write_text(json.dumps({"verify_tokens": list(range(1, 8)), "step_time_ms": [10 * 1.05**i for i in range(7)]}))
+    engine = make_engine(ling_path, algorithm="DSPARK", draft_model_path=draft, num_draft_tokens=7,
+                         dspark_sps_table_path=str(sps))
+    assert engine.program.depths == (0, 1, 2, 4, 6)
+    _scheduled(engine, [6, 2, 0, 4, 6, 1])
+    tokens, _ = run(engine)
+    assert tokens == plain["ling"]
+
+
+def test_the_adaptive_engine_equals_plain_and_follows_acceptance(tmp_path, plain, ling_path):
+    """The engine's own policy (start-up step times, online updates) on a good draft and on a useless one: the
+    output is plain decoding's either way; the useless draft ends at depth 0 (plain steps), the good one does not."""
+    good = _drafts(tmp_path, ling_path, plain["ling"], block_size=4, markov_rank=64)
+    engine = make_engine(ling_path, algorithm="DSPARK", draft_model_path=good, num_draft_tokens=5)
+    assert isinstance(engine.depth_policy, AdaptiveDepth)
+    # the step times of a real deployment (a verify row costs little next to a step), so the test's decisions
+    # do not hang on this machine's timings
+    engine.set_depth_policy(AdaptiveDepth(engine.program.depths, {0: 10.0, 1: 10.5, 2: 11.0, 4: 12.0}))
+    tokens, _ = run(engine, max_new_tokens=40)
+    assert tokens == plain["ling"]
+    assert engine.depth_policy.choice > 0
+
+    useless = _draft_for(tmp_path, ling_path, name="useless", block_size=4, markov_rank=64)  # random drafts
+    engine = make_engine(ling_path, algorithm="DSPARK", draft_model_path=useless, num_draft_tokens=5)
+    engine.set_depth_policy(AdaptiveDepth(engine.program.depths, {0: 10.0, 1: 12.0, 2: 14.0, 4: 18.0}))
+    tokens, _ = run(engine, max_new_tokens=40)
+    assert tokens == plain["ling"]
+    assert engine.depth_policy.choice == 0
+
+
+def test_adaptive_off_and_simulated_acceptance_keep_the_full_depth(ling_path):
+    engine = make_engine(ling_path, algorithm="NEXTN", num_steps=3, adaptive=False)
+    assert isinstance(engine.depth_policy, FixedDepth) and engine.program.depths == (3,)
+    engine = make_engine(ling_path, algorithm="NEXTN", num_steps=3, simulate_accept_len=2.5)
+    assert isinstance(engine.depth_policy, FixedDepth) and engine.program.depths == (3,)
