@@ -225,6 +225,8 @@ class Engine:
             yield StepOutput([], "", True, {"type": "length", "length": 0})
             return
         program, policy = self.program, self.depth_policy
+        if not sp.is_greedy and sp.seed is not None:  # a seed must repeat the request: the depth may not vary
+            policy = FixedDepth(program.max_depth)  # with the machine's timings (the draws depend on the depth)
         sampled = not sp.is_greedy
         if sampled:  # the sampled bodies (captured at first use, before this request's state exists) read the
             program.prepare_sampled()  # default generator: seeded here, so a seed repeats the request

@@ -83,3 +83,27 @@ def test_the_statistical_test_has_power():
 
     first, _ = _simulate(p, far, accept_all)
     assert _tv(first, p[0]) > 5 * EPS
+
+
+def test_rejection_sampling_with_the_depth_changing_each_step():
+    """Adaptive depth: the number of drafts verified changes from step to step (0, 1, 2); the first emitted token
+    still follows p[0], and the second (after an accepted draft 0) p[1]."""
+    p, near, far = _targets()
+    depths = [2, 0, 1]
+    for q in (near, None):
+        gen = torch.Generator().manual_seed(99)
+        first, second = torch.zeros(V), torch.zeros(V)
+        for i in range(N):
+            d = depths[i % 3]
+            if q is None:
+                drafts = torch.tensor([0, 1])[:d]
+            else:
+                drafts = torch.stack([torch.multinomial(q[j], 1, generator=gen)[0] for j in range(2)])[:d]
+            v = rejection_verify(drafts, None if q is None else q[:d], p[: d + 1], gen)
+            toks = v.accepted_tokens[: int(v.num_accepted) + 1].tolist()
+            first[toks[0]] += 1
+            if d > 0 and toks[0] == 0 and len(toks) > 1:
+                second[toks[1]] += 1
+        assert _tv(first, p[0]) < EPS, q
+        if second.sum() > 2000:
+            assert _tv(second, p[1]) < 3 * EPS * (N / second.sum().item()) ** 0.5
