@@ -32,7 +32,7 @@ SAMPLED = dict(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=16, ignore_eos
 
 
 def _args(path: str, tp: int, **spec) -> ServerArgs:
-    return ServerArgs(model_path=path, device="cpu", context_length=256, tp_size=tp, spec=SpecConfig(**spec))
+    return ServerArgs(model_path=path, device="cpu", context_length=256, tp_size=tp, spec=SpecConfig(**{"adaptive": False, **spec}))
 
 
 def _copy(requests):

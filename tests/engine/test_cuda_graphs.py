@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 
 def cuda_engine(path: str, dtype: str = "float32", graphs: bool = True, **spec) -> Engine:
     return Engine(ServerArgs(model_path=path, device="cuda", dtype=dtype, context_length=512,
-                             disable_cuda_graph=not graphs, spec=SpecConfig(**spec)))
+                             disable_cuda_graph=not graphs, spec=SpecConfig(**{"adaptive": False, **spec})))
 
 
 @pytest.mark.parametrize("spec", [{}, {"algorithm": "NEXTN", "num_steps": 3}])
@@ -65,7 +65,7 @@ def test_sampled_requests_run_on_graphs_and_a_seed_repeats_them(ling_path, spec)
     a, _ = run(engine, max_new_tokens=32, temperature=0.8, top_p=0.9, seed=3)
     b, _ = run(engine, max_new_tokens=32, temperature=0.8, top_p=0.9, seed=3)
     c, _ = run(engine, max_new_tokens=32, temperature=0.8, top_p=0.9, seed=4)
-    assert engine.program._sampled_replays is not None
+    assert engine.program._sampled is not None
     assert a == b and len(a) == 32 and a != c
 
 
@@ -169,3 +169,27 @@ def test_gate_embedded_on_gpu(algorithm, tmp_path):
     plain, _ = run(cuda_engine("embedded"), max_new_tokens=64)
     got, verify = run(cuda_engine("embedded", **spec), max_new_tokens=64)
     assert got == plain and verify > 0
+
+
+@pytest.mark.parametrize("algorithm", ["NEXTN", "DSPARK"])
+def test_graph_replay_equals_uncaptured_with_depth_changes(ling_path, ckpt_root, algorithm):
+    """Adaptive depth on CUDA: one captured body set per depth, the depth changing from step to step (a fixed
+    schedule, so both runs take the same depths): captured == uncaptured, and greedy == plain."""
+    from baton.config import load_model_config
+    from baton.models.dspark_checkpoint import write_random_dspark_draft
+    from baton.speculative.adaptive import ScheduledDepth
+
+    spec = {"algorithm": "NEXTN", "num_steps": 4, "adaptive": True}
+    if algorithm == "DSPARK":
+        draft = str(ckpt_root / "gpu_dspark_depths")
+        write_random_dspark_draft(load_model_config(ling_path), draft, seed=3, block_size=4, markov_rank=16)
+        spec = {"algorithm": "DSPARK", "draft_model_path": draft, "num_draft_tokens": 5, "adaptive": True}
+    schedule = [4, 0, 1, 2, 4, 0, 0, 2, 1, 4]
+    outs = []
+    for graphs in (False, True):
+        engine = cuda_engine(ling_path, graphs=graphs, **spec)
+        assert engine.program.depths == (0, 1, 2, 4) and engine.program.capture == graphs
+        engine.set_depth_policy(ScheduledDepth(schedule))
+        outs.append(run(engine, max_new_tokens=40)[0])
+    assert outs[0] == outs[1]
+    assert outs[1] == run(cuda_engine(ling_path), max_new_tokens=40)[0]

@@ -23,7 +23,8 @@ from tests.speculative.test_spec_core import PROMPT, run
 
 def _engine(path: str, **kw) -> Engine:
     spec = kw.pop("spec", {})
-    return Engine(ServerArgs(model_path=path, device="cpu", context_length=256, spec=SpecConfig(**spec), **kw))
+    return Engine(ServerArgs(model_path=path, device="cpu", context_length=256,
+                             spec=SpecConfig(**{"adaptive": False, **spec}), **kw))
 
 
 def test_quantise_at_load_is_close_to_bf16(ling_path):

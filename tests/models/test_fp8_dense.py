@@ -57,7 +57,8 @@ def models(ling_path):
 
 def _engine(path: str, **kw) -> Engine:
     spec = kw.pop("spec", {})
-    return Engine(ServerArgs(model_path=path, device="cpu", context_length=256, spec=SpecConfig(**spec), **kw))
+    return Engine(ServerArgs(model_path=path, device="cpu", context_length=256,
+                             spec=SpecConfig(**{"adaptive": False, **spec}), **kw))
 
 
 def _dense(model) -> dict[str, Linear]:
@@ -327,7 +328,7 @@ def test_tp2_gloo_fp8_dense(ling_tp_path, tmp_path):
     requests = [(list(PROMPT), dict(temperature=0.0, max_new_tokens=16, ignore_eos=True))]
     for spec in ({}, {"algorithm": "NEXTN", "num_steps": 2}):
         args = ServerArgs(model_path=ling_tp_path, device="cpu", context_length=256, tp_size=2, quantization="fp8",
-                          spec=SpecConfig(**spec))
+                          spec=SpecConfig(**{"adaptive": False, **spec}))
         got = run_tp(args, generate_all, ([(list(i), dict(k)) for i, k in requests],), rank0_in_caller=False,
                      timeout_s=120)
         want = generate_all(_engine(ref_path, spec=spec), [(list(i), dict(k)) for i, k in requests])

@@ -20,7 +20,8 @@ def write_checkpoint(root, name: str, cfg: dict) -> str:
 
 
 def make_engine(model_path: str, **spec) -> Engine:
-    return Engine(ServerArgs(model_path=model_path, device="cpu", context_length=512, spec=SpecConfig(**spec)))
+    return Engine(ServerArgs(model_path=model_path, device="cpu", context_length=512,
+                             spec=SpecConfig(**{"adaptive": False, **spec})))
 
 
 @pytest.fixture(scope="module")

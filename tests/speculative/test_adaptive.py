@@ -121,7 +121,7 @@ def _drafts(tmp_path, target: str, plain_tokens: list[int], **kw) -> str:
 def test_nextn_with_depth_changes_equals_plain(plain, ling_path, llama_path, llama_nextn_path, target):
     path = ling_path if target == "ling" else llama_path
     extra = {} if target == "ling" else {"draft_model_path": llama_nextn_path}
-    engine = make_engine(path, algorithm="NEXTN", num_steps=4, **extra)
+    engine = make_engine(path, algorithm="NEXTN", num_steps=4, adaptive=True, **extra)
     assert engine.program.depths == (0, 1, 2, 4)
     _scheduled(engine)
     tokens, verify = run(engine)
@@ -134,7 +134,7 @@ def test_nextn_with_depth_changes_equals_plain(plain, ling_path, llama_path, lla
 def test_block_drafts_with_depth_changes_equal_plain(tmp_path, plain, ling_path, llama_path, algorithm, target):
     path = ling_path if target == "ling" else llama_path
     draft = _drafts(tmp_path, path, plain[target], block_size=4, markov_rank=64)
-    engine = make_engine(path, algorithm=algorithm, draft_model_path=draft, num_draft_tokens=5)
+    engine = make_engine(path, algorithm=algorithm, draft_model_path=draft, num_draft_tokens=5, adaptive=True)
     _scheduled(engine)
     tokens, _ = run(engine)
     assert tokens == plain[target]
@@ -147,7 +147,7 @@ def test_dspark_prefix_rule_with_depth_changes_equals_plain(tmp_path, plain, lin
     sps = tmp_path / "sps.json"
     sps.write_text(json.dumps({"verify_tokens": list(range(1, 8)), "step_time_ms": [10 * 1.05**i for i in range(7)]}))
     engine = make_engine(ling_path, algorithm="DSPARK", draft_model_path=draft, num_draft_tokens=7,
-                         dspark_sps_table_path=str(sps))
+                         dspark_sps_table_path=str(sps), adaptive=True)
     assert engine.program.depths == (0, 1, 2, 4, 6)
     _scheduled(engine, [6, 2, 0, 4, 6, 1])
     tokens, _ = run(engine)
@@ -158,7 +158,7 @@ def test_the_adaptive_engine_equals_plain_and_follows_acceptance(tmp_path, plain
     """The engine's own policy (start-up step times, online updates) on a good draft and on a useless one: the
     output is plain decoding's either way; the useless draft ends at depth 0 (plain steps), the good one does not."""
     good = _drafts(tmp_path, ling_path, plain["ling"], block_size=4, markov_rank=64)
-    engine = make_engine(ling_path, algorithm="DSPARK", draft_model_path=good, num_draft_tokens=5)
+    engine = make_engine(ling_path, algorithm="DSPARK", draft_model_path=good, num_draft_tokens=5, adaptive=True)
     assert isinstance(engine.depth_policy, AdaptiveDepth)
     # the step times of a real deployment (a verify row costs little next to a step), so the test's decisions
     # do not hang on this machine's timings
@@ -168,7 +168,8 @@ def test_the_adaptive_engine_equals_plain_and_follows_acceptance(tmp_path, plain
     assert engine.depth_policy.choice > 0
 
     useless = _draft_for(tmp_path, ling_path, name="useless", block_size=4, markov_rank=64)  # random drafts
-    engine = make_engine(ling_path, algorithm="DSPARK", draft_model_path=useless, num_draft_tokens=5)
+    engine = make_engine(ling_path, algorithm="DSPARK", draft_model_path=useless, num_draft_tokens=5,
+                         adaptive=True)
     engine.set_depth_policy(AdaptiveDepth(engine.program.depths, {0: 10.0, 1: 12.0, 2: 14.0, 4: 18.0}))
     tokens, _ = run(engine, max_new_tokens=40)
     assert tokens == plain["ling"]
@@ -178,5 +179,5 @@ def test_the_adaptive_engine_equals_plain_and_follows_acceptance(tmp_path, plain
 def test_adaptive_off_and_simulated_acceptance_keep_the_full_depth(ling_path):
     engine = make_engine(ling_path, algorithm="NEXTN", num_steps=3, adaptive=False)
     assert isinstance(engine.depth_policy, FixedDepth) and engine.program.depths == (3,)
-    engine = make_engine(ling_path, algorithm="NEXTN", num_steps=3, simulate_accept_len=2.5)
+    engine = make_engine(ling_path, algorithm="NEXTN", num_steps=3, simulate_accept_len=2.5, adaptive=True)
     assert isinstance(engine.depth_policy, FixedDepth) and engine.program.depths == (3,)

@@ -3,6 +3,7 @@ prefix rule, and the greedy invariant end to end on tiny Llama and Ling targets 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -43,7 +44,9 @@ def targets(llama_path, ling_path) -> dict[str, str]:
 
 
 def _engine(model_path: str, spec: SpecConfig | None = None) -> Engine:
-    return Engine(ServerArgs(model_path=model_path, device="cpu", context_length=256, spec=spec or SpecConfig()))
+    # the full depth: these tests check acceptance statistics (depth changes: tests/speculative/test_adaptive.py)
+    spec = dataclasses.replace(spec, adaptive=False) if spec is not None else SpecConfig()
+    return Engine(ServerArgs(model_path=model_path, device="cpu", context_length=256, spec=spec))
 
 
 def _generate(engine: Engine, prompt: list[int], temperature: float = 0.0, seed: int | None = None) -> list[int]:

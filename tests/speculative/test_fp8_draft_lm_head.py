@@ -14,7 +14,7 @@ from tests.speculative.test_spec_core import run
 
 def _engine(path: str, **spec) -> Engine:
     return Engine(ServerArgs(model_path=path, device="cpu", context_length=512, enable_fp8_draft_lm_head=True,
-                             spec=SpecConfig(**spec)))
+                             spec=SpecConfig(**{"adaptive": False, **spec})))
 
 
 @pytest.fixture(scope="module")

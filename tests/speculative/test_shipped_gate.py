@@ -15,7 +15,8 @@ PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 9707, 30, 2683, 314, 216, 34, 123
 def _engine(**spec):
     from baton.engine.engine import Engine
 
-    return Engine(ServerArgs(device="cpu", dtype="float32", context_length=256, spec=SpecConfig(**spec)))
+    return Engine(ServerArgs(device="cpu", dtype="float32", context_length=256,
+                             spec=SpecConfig(**{"adaptive": False, **spec})))
 
 
 @pytest.mark.parametrize("algorithm", ["NEXTN", "DSPARK"])
