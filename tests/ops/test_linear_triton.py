@@ -136,13 +136,14 @@ def test_split_counters_reset():
 def test_supports_and_configs():
     x, w, nw, res = make(3, 8, 16, torch.bfloat16, device="cpu")
     assert fast.supports(x, w, nw, res)
-    assert not fast.supports(torch.randn(17, 16, dtype=torch.bfloat16, device=x.device), w)  # M > 16: cuBLAS
+    assert fast.supports(torch.randn(17, 16, dtype=torch.bfloat16, device=x.device), w)  # a DSpark verify
+    assert not fast.supports(torch.randn(33, 16, dtype=torch.bfloat16, device=x.device), w)  # M > 32: cuBLAS
     assert not fast.supports(x, w.float())
     assert not fast.supports(x, w, nw.float())
     assert not fast.supports(x, w, residual=res[:, :4])
     assert not fast.supports(x, w[:7], swiglu=True)
     assert not fast.pdl_enabled(torch.device("cpu"))
-    for m in (1, 6, 16):
+    for m in (1, 6, 16, 17):
         for n, k, swiglu in ((20512, 2560, False), (576, 1536, False), (768, 2560, True), (49152, 576, False)):
             cfg = fast.pick_config(m, n, k, swiglu)
             assert cfg.block_k & (cfg.block_k - 1) == 0 and cfg.block_n & (cfg.block_n - 1) == 0
@@ -265,7 +266,7 @@ def test_dispatch_cuda(monkeypatch):
     monkeypatch.setattr(fast, "linear_fwd", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     x, w, nw, res = make(4, 96, 64, torch.bfloat16, device="cuda")
     check(ops.linear(x, w, nw, 1e-6, res), naive.linear(x, w, nw, 1e-6, res), torch.bfloat16)
-    assert calls, "CUDA with M <= 16 takes the Triton path"
-    x17 = make(17, 96, 64, torch.bfloat16, device="cuda")[0]
-    ops.linear(x17, w)
-    assert len(calls) == 1, "M > 16 falls back to cuBLAS"
+    assert calls, "CUDA with M <= 32 takes the Triton path"
+    x33 = make(33, 96, 64, torch.bfloat16, device="cuda")[0]
+    ops.linear(x33, w)
+    assert len(calls) == 1, "M > 32 falls back to cuBLAS"

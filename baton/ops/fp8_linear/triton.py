@@ -10,12 +10,12 @@ chunks of BLOCK_K (dividing 128: a chunk lies in one scale block, so its scale i
 The weight bytes are half a bf16 matrix's; the floor of a pass is N * K bytes / bandwidth. PDL (SM90+): the first
 weight chunk is requested before waiting on the previous kernel, whose output (x) is read after the wait.
 
-``fp8_dense`` (``fp8_dense_kernel``): the same walk for the dense projections of ``--quantization fp8`` with the
-fusions of ``baton.ops.linear.triton`` (its prologue / epilogue helpers, so the same roundings): an RMSNorm prologue,
-a residual or SwiGLU epilogue (gate and up rows read together), out in x's dtype, up to ``DENSE_MAX_M`` rows. A
-fused weight whose parts (checkpoint tensors, quantised each on its own) do not start on a 128-row block passes a
-row -> scale-row map and takes one scale per row of the tile instead of one per tile. No split-K yet: short-N
-shapes take narrow column blocks.
+``fp8_dense``: the dense projections of ``--quantization fp8`` with the fusions of ``baton.ops.linear`` (an RMSNorm
+prologue, a residual or SwiGLU epilogue, out in x's dtype, up to ``DENSE_MAX_M`` rows) are
+``baton.ops.linear.triton.linear_kernel`` on the fp8 weight: the same forms (GEMV, split-K, the swap-AB tl.dot
+form), the block scales applied per chunk in registers, configs from the fp8 table (``tuned/<gpu>.json`` beside this
+file). A fused weight whose parts (checkpoint tensors, quantised each on its own) do not start on a 128-row block
+passes a row -> scale-row map and takes one scale per row of the tile instead of one per tile.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from baton.ops.linear.triton import _epilogue, _load_h, _row_rstd, pdl_enabled
+from baton.ops.linear import triton as lt
+from baton.ops.linear.triton import LinearConfig, pdl_enabled
 from baton.ops.quant.fp8 import BLOCK as SB
 from baton.ops.quant.fp8 import FP8_DTYPE
 
@@ -116,112 +117,21 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
 
 # ---- dense projections under --quantization fp8: the fusions of baton.ops.linear on an fp8 weight ----
 
-# Rows one dense launch takes: a DSpark verify of gamma 16 is 17 rows; past this the dispatch dequantises the weight
+# Rows one dense launch takes: a DSpark verify of gamma 16 is 17; past this the dispatch dequantises the weight
 # and runs cuBLAS (prefill), which reads the weight three times over (fp8, the fp32 dequantised copy, bf16).
-DENSE_MAX_M = 32
+DENSE_MAX_M = lt.MAX_M
 
 
-@triton.jit
-def fp8_dense_kernel(x_ptr, w_ptr, s_ptr, rb_ptr, nw_ptr, res_ptr, out_ptr, M, N_OUT, stride_xm, stride_wn,
-                     stride_sn, stride_rm, stride_om, eps, limit, K: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SB: tl.constexpr, STATS_BK: tl.constexpr,
-                     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                     ROW_MAP: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, USE_PDL: tl.constexpr,
-                     INTERPRET: tl.constexpr):
-    """out[M, N_OUT] = epilogue(prologue(x) @ dequantise(w).T), the epilogue and prologue those of
-    ``baton.ops.linear.triton.linear_kernel`` (its helpers: the same roundings). w has N_OUT rows (2 * N_OUT for
-    SwiGLU: gate then up). The scale of a [BLOCK_N, BLOCK_K] tile: one scalar (row ``row // SB``; BLOCK_N and
-    BLOCK_K divide SB) or, with ROW_MAP, one per row (``rb_ptr[row]``: a fused weight whose parts are not
-    SB-aligned)."""
-    Y_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(offs_n, N_OUT - 1).to(tl.int64)  # clamped: the loads need no row mask
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    w_ptrs = w_ptr + rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
-    up_ptrs = w_ptrs + N_OUT * stride_wn
-    if ROW_MAP:
-        s_row = s_ptr + tl.load(rb_ptr + rows).to(tl.int64) * stride_sn  # [BLOCK_N]
-    else:
-        s_row = s_ptr + ((pid * BLOCK_N) // SB) * stride_sn
-    s_up = s_row
-    if SWIGLU:
-        if ROW_MAP:
-            s_up = s_ptr + tl.load(rb_ptr + rows + N_OUT).to(tl.int64) * stride_sn
-        else:
-            s_up = s_ptr + ((pid * BLOCK_N + N_OUT) // SB) * stride_sn
-    w = tl.load(w_ptrs, mask=(offs_k < K)[None, :], other=0.0)  # the weights never wait on the previous kernel
-    w_up = w
-    if SWIGLU:
-        w_up = tl.load(up_ptrs, mask=(offs_k < K)[None, :], other=0.0)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-    rstd = _row_rstd(x_ptr, offs_m, m_mask, stride_xm, K, eps, BLOCK_M, STATS_BK, HAS_NORM)
-
-    if USE_DOT:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = acc
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + offs_k
-        kn = kk + BLOCK_K
-        w_next = tl.load(w_ptrs + k0 + BLOCK_K, mask=(kn < K)[None, :], other=0.0)  # look-ahead; zeros past K
-        if SWIGLU:
-            w_up_next = tl.load(up_ptrs + k0 + BLOCK_K, mask=(kn < K)[None, :], other=0.0)
-        h = _load_h(x_ptr, nw_ptr, offs_m, kk, m_mask, K, rstd, stride_xm, HAS_NORM, Y_DTYPE, INTERPRET)
-        s = tl.load(s_row + k0 // SB)
-        acc = _fp8_mac(acc, h, w, s, USE_DOT, DOT_FP32, ROW_MAP)
-        w = w_next
-        if SWIGLU:
-            acc_up = _fp8_mac(acc_up, h, w_up, tl.load(s_up + k0 // SB), USE_DOT, DOT_FP32, ROW_MAP)
-            w_up = w_up_next
-    if not USE_DOT:
-        acc = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
-        if SWIGLU:
-            acc_up = tl.sum(acc_up, axis=1)[None, :]
-        else:
-            acc_up = acc
-    _epilogue(acc, acc_up, out_ptr, res_ptr, offs_m, offs_n, M, N_OUT, stride_om, stride_rm, limit,
-              Y_DTYPE, HAS_RES, SWIGLU, HAS_LIMIT, INTERPRET)
+def pick_dense_config(m: int, n_out: int, k: int, swiglu: bool = False) -> LinearConfig:
+    """The fp8 table's entry for the shape and row bucket, else ``baton.ops.linear.triton``'s bucket rules."""
+    cfg = lt.pick_config(m, n_out, k, swiglu, fp8=True)
+    return lt._heuristic_config(m, n_out, k, swiglu, True) if cfg.cublas else cfg
 
 
-@triton.jit
-def _fp8_mac(acc, h, w, s, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, ROW_MAP: tl.constexpr):
-    """acc += (h @ w.T) * s: through tl.dot ([BLOCK_M, BLOCK_N], each chunk's product scaled once), or (M == 1) the
-    [BLOCK_N, BLOCK_K] products with the scale folded into the activation chunk (per row with ROW_MAP)."""
-    if USE_DOT:
-        if DOT_FP32:  # fp32 rows; and always in the interpreter, whose dot reads low-precision operands as raw bits
-            part = tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:  # bf16 / fp16 rows: the fp8 weights widen exactly
-            part = tl.dot(h, tl.trans(w.to(h.dtype)))
-        if ROW_MAP:
-            acc += part * s[None, :]
-        else:
-            acc += part * s
-    else:
-        if ROW_MAP:
-            acc += (w.to(tl.float32) * s[:, None]) * h.to(tl.float32)
-        else:
-            acc += w.to(tl.float32) * (h.to(tl.float32) * s)
-    return acc
-
-
-def pick_dense_tiles(m: int, n_out: int, swiglu: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of a dense fp8 projection with ``n_out`` outputs: BLOCK_K one
-    scale block wide; BLOCK_N shrunk until there are about two programs per SM (no split-K: the short-N, long-K
-    shapes, o_proj / dense / down_proj at N = 2560, take narrow column blocks instead). Not swept yet."""
-    if m == 1:
-        block_n = 32 if not swiglu else 16
-        while block_n > 4 and triton.cdiv(n_out, block_n) < 2 * 132:
-            block_n //= 2
-        return block_n, 128, 4, 2
-    block_n = 32 if triton.cdiv(n_out, 32) >= 132 and not swiglu else 16
-    return block_n, 128, 4, 2
+def pick_dense_tiles(m: int, n_out: int, swiglu: bool = False, k: int = 2560) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of ``pick_dense_config`` (what earlier benchmarks print)."""
+    cfg = pick_dense_config(m, n_out, k, swiglu)
+    return cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages
 
 
 def supports_dense(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
@@ -246,7 +156,7 @@ def supports_dense(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tenso
     if not 1 <= x.numel() // x.shape[-1] <= DENSE_MAX_M or (swiglu and weight.shape[0] % 2):
         return False
     if swiglu and row_block is None and (weight.shape[0] // 2) % SB:
-        return False  # the up rows' blocks start inside a block: the scalar scale per tile does not hold
+        return False  # the up rows' blocks start inside a block: the weight's scale rows do not line up
     if norm_weight is not None and (norm_weight.dtype != x.dtype or norm_weight.shape != (x.shape[-1],)):
         return False
     if residual is not None:
@@ -259,41 +169,21 @@ def supports_dense(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tenso
 def fp8_dense(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, row_block: torch.Tensor | None = None,
               norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
               swiglu: bool = False, limit: float = 0.0, tiles: tuple[int, int, int, int] | None = None,
-              pdl: bool | None = None) -> torch.Tensor:
+              pdl: bool | None = None, config: LinearConfig | None = None) -> torch.Tensor:
     """``naive.fp8_dense_linear`` (``swiglu``: ``naive.fp8_dense_linear_swiglu``) in one launch. x [..., K] with
-    at most DENSE_MAX_M rows; the result has x's dtype (promoted with the residual's), as ``baton.ops.linear``."""
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
+    at most DENSE_MAX_M rows; the result has x's dtype (promoted with the residual's), as ``baton.ops.linear``.
+    ``config`` (or the older ``tiles``: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the look-ahead forms, no
+    split) overrides the table."""
+    m = x.numel() // x.shape[-1]
     assert 1 <= m <= DENSE_MAX_M, f"fp8_dense takes 1..{DENSE_MAX_M} rows, got {m}"
     n_out = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    block_n, block_k, num_warps, num_stages = tiles or pick_dense_tiles(m, n_out, swiglu)
-    assert SB % block_n == 0 and SB % block_k == 0, "fp8 tiles: BLOCK_N and BLOCK_K must divide the 128 x 128 blocks"
-    use_dot = m > 1
-    if use_dot:
-        assert block_n >= 16 and block_k >= 16, "tl.dot needs BLOCK_N, BLOCK_K >= 16"
     assert row_block is not None or not swiglu or n_out % SB == 0, "fp8 SwiGLU: unaligned gate rows need row_block"
-    out_dtype = x.dtype if residual is None else torch.promote_types(residual.dtype, x.dtype)
-    out = torch.empty((m, n_out), dtype=out_dtype, device=x.device)
-    res2 = out
-    if residual is not None:
-        res2 = residual.reshape(m, n_out)
-        if res2.stride(-1) != 1:
-            res2 = res2.contiguous()
-    pdl = pdl_enabled(x.device) if pdl is None else pdl
-    interpreting = x.device.type != "cuda"
-    block_m = max(16, triton.next_power_of_2(m)) if use_dot else 1
-    kw = {"launch_pdl": True} if pdl else {}
-    fp8_dense_kernel[(triton.cdiv(n_out, block_n),)](
-        x2, weight, scale_inv, scale_inv if row_block is None else row_block,
-        x2 if norm_weight is None else norm_weight, res2, out, m, n_out, x2.stride(0), weight.stride(0),
-        scale_inv.stride(0), res2.stride(0), out.stride(0), float(eps), float(limit),
-        K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SB=SB,
-        STATS_BK=min(triton.next_power_of_2(k), 8192 // block_m), HAS_NORM=norm_weight is not None,
-        HAS_RES=residual is not None, SWIGLU=swiglu, HAS_LIMIT=limit > 0, ROW_MAP=row_block is not None,
-        USE_DOT=use_dot, DOT_FP32=interpreting or x.dtype == torch.float32, USE_PDL=pdl, INTERPRET=interpreting,
-        num_warps=num_warps, num_stages=num_stages, **kw,
-    )
-    return out.reshape(*x.shape[:-1], n_out)
+    if config is None and tiles is not None:
+        block_n, block_k, num_warps, num_stages = tiles
+        config = LinearConfig(block_n, block_k, 1, num_warps, num_stages)
+    if config is None:
+        config = pick_dense_config(m, n_out, x.shape[-1], swiglu)
+    if m > 1 and config.dot:
+        assert config.block_n >= 16 and config.block_k >= 16, "tl.dot needs BLOCK_N, BLOCK_K >= 16"
+    return lt._launch(x, weight, norm_weight, eps, residual, swiglu, limit, config, pdl, scale_inv.contiguous(),
+                      row_block)

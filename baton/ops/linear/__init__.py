@@ -1,9 +1,10 @@
 """Projections with optional RMSNorm prologue, residual epilogue, SwiGLU epilogue.
 
-CUDA tensors with at most 16 rows take the Triton kernels (``triton.py``) when triton imports and
-``env.use_triton()`` allows; everything else (CPU, larger M: cuBLAS through F.linear) runs the reference in
-``naive.py``. Triton is imported on the first CUDA call, never by importing this package (CPU runs never need it,
-and tests can set ``TRITON_INTERPRET`` before it loads)."""
+CUDA tensors with at most 32 rows take the Triton kernels (``triton.py``) when triton imports,
+``env.use_triton()`` allows and the GPU's tuned table does not name cuBLAS for the shape and row bucket; everything
+else (CPU, larger M, those table entries: cuBLAS through F.linear) runs the reference in ``naive.py``. Triton is
+imported on the first CUDA call, never by importing this package (CPU runs never need it, and tests can set
+``TRITON_INTERPRET`` before it loads)."""
 
 from __future__ import annotations
 

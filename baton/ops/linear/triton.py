@@ -1,15 +1,30 @@
-"""Triton decode-shape projections (x [M, K] with M = 1..16, weight [N, K]) with the fusions of ``naive.py``:
-an RMSNorm prologue, a residual-add epilogue, and a SwiGLU epilogue over fused gate/up rows.
+"""Triton decode-shape projections (x [M, K] with M = 1..32, weight [N, K] in x's dtype or fp8 e4m3 with 128 x 128
+block scales) with the fusions of ``naive.py``: an RMSNorm prologue, a residual-add epilogue, and a SwiGLU epilogue
+over fused gate/up rows. ``baton.ops.fp8_linear.triton.fp8_dense`` is this kernel on an fp8 weight.
 
 Design (bandwidth-bound at batch 1; every weight byte is read exactly once):
 
 - grid = (cdiv(N_out, BLOCK_N), SPLIT_K). A program owns BLOCK_N output columns (for SwiGLU: BLOCK_N gate rows
-  and the matching BLOCK_N up rows) and one K range, which it walks in BLOCK_K chunks. Weight tiles
-  [BLOCK_N, BLOCK_K] are loaded one chunk ahead (register double buffer), contiguous along K, so each thread
-  issues 16-byte loads. Rows past N are clamped to N - 1 (loads stay unmasked and vectorised; the extra
+  and the matching BLOCK_N up rows) and one K range, which it walks in BLOCK_K chunks, contiguous along K, so each
+  thread issues 16-byte loads. Rows past N are clamped to N - 1 (loads stay unmasked and vectorised; the extra
   columns are never stored).
-- M == 1 (decode): broadcast multiply into a [BLOCK_N, BLOCK_K] fp32 accumulator, reduced over K once at the
-  end. M = 2..16 (verify): ``tl.dot`` with M padded to 16 (masked rows are zeros).
+- Four forms (``LinearConfig``):
+  - GEMV (M == 1): broadcast multiply into a [BLOCK_N, BLOCK_K] fp32 accumulator, reduced over K once at the end;
+    weight tiles loaded one chunk ahead (a register double buffer).
+  - rows (``dot=False``, a few rows): each chunk's row-times-tile products reduced over K, same look-ahead.
+  - dot (``dot=True``): ``tl.dot`` of the rows padded to 16 (32 past 16 rows) times the tile, same look-ahead.
+  - swap (``dot=True, swap=True``): ``tl.dot(tile, rows.T)``, the weight tile as the MMA's wide side (BLOCK_N >= 64
+    takes Hopper's wgmma) and the padded rows as its narrow one; with ``num_stages`` > 1 no register look-ahead:
+    the loads are software-pipelined by the compiler through shared memory (``num_stages`` deep); with 1 the
+    look-ahead of the other forms (16-byte loads straight into registers, as fp8 tiles want).
+- fp8 weights: the [BLOCK_N, BLOCK_K] tile is widened in registers and its block scale applied per chunk (BLOCK_K
+  divides 128, so a chunk lies in one scale column; a GEMV chunk wider than 128 takes a scale per column): one
+  scalar when the tile's rows share a scale row, else one per row (``row_block``: a fused weight whose parts are
+  quantised each on its own and are not 128-row aligned). The GEMV widens to fp32 (e4m3 -> f16x2 in one
+  conversion, then exact f16 -> f32); the swap form widens to the activations' dtype, or with ``f16=True`` to
+  fp16 (one conversion per two weights, where bf16 takes three), the activation chunk scaled per row by a power
+  of two into fp16's range first (exact: bf16 values have fewer mantissa bits than fp16) and the product scaled
+  back.
 - RMSNorm prologue: each program recomputes the row statistics from x (K <= ~8192, x stays in L2), then
   normalises each x chunk exactly as ``rms_norm`` does: fp32 ``x * rsqrt(mean(x^2) + eps)``, rounded to x's
   dtype, times ``norm_weight``, rounded again.
@@ -17,12 +32,20 @@ Design (bandwidth-bound at batch 1; every weight byte is read exactly once):
   (SiLU rounded, clamp, product rounded) or the residual add (``residual + y``, rounded to the result dtype).
 - Split-K (short N, long K, where cdiv(N, BLOCK_N) programs cannot fill 132 SMs): each split writes its fp32
   partial [M, BLOCK_N] to a workspace, then increments a per-column-block counter; the program that arrives
-  last sums the SPLIT_K partials in a fixed order (deterministic), applies the epilogue, stores, and resets its
-  counter to zero for the next launch. The counters are one persistent int32 buffer per device, so the first
-  call with split-K on a device must come before CUDA-graph capture (the engine warms up before capturing).
+  last sums the SPLIT_K partials in a fixed order (split 0, 1, ...: deterministic, whichever program comes
+  last), applies the epilogue, stores, and resets its counter to zero for the next launch. The counters are one
+  persistent int32 buffer per device, so the first call with split-K on a device must come before CUDA-graph
+  capture (the engine warms up before capturing).
 - PDL (``USE_PDL``): the first weight tile is requested before ``gdc_wait`` (weights never depend on the
-  previous kernel); x, the residual, the outputs, the workspace and the counters are touched only after it.
-  ``gdc_launch_dependents`` follows straight away so the next kernel's programs can land on SMs as ours drain.
+  previous kernel), and with ``prefetch`` the first bytes of each of the program's rows are prefetched into L2
+  (``cp.async.bulk.prefetch``) as well; x, the residual, the outputs, the workspace and the counters are touched
+  only after it. ``gdc_launch_dependents`` follows straight away so the next kernel's programs can land on SMs as
+  ours drain.
+
+Configs come from a per-GPU table (``tuned/<gpu>.json`` here for bf16 / fp16 / fp32 weights,
+``baton/ops/fp8_linear/tuned/<gpu>.json`` for fp8) keyed by (row bucket, N_out, K, swiglu); an entry may say
+``cublas``: that shape and bucket then runs the reference (cuBLAS ``F.linear`` and the unfused ops), which
+``supports`` reports by returning False.
 """
 
 from __future__ import annotations
@@ -49,15 +72,27 @@ __all__ = [
     "supports",
 ]
 
-MAX_M = 16  # rows handled by one launch (decode 1, speculative verify up to 16); larger M goes to cuBLAS
+# Rows one launch takes: decode 1, a NEXTN verify 6, a DSpark verify of gamma 16 is 17; larger M goes to cuBLAS.
+MAX_M = 32
 NUM_SMS = 132  # H200
 NUM_COUNTERS = 16384  # split-K column blocks per device (one int32 each)
+SB = 128  # fp8 block-scale size (baton.ops.quant.fp8.BLOCK)
+
+# Kernel forms (constexpr FORM) and fp8 scale modes (constexpr S_MODE).
+GEMV, ROWS, DOT, SWAP = 0, 1, 2, 3
+S_NONE, S_SCALAR, S_KVEC, S_ROWVEC = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
 class LinearConfig:
     """Launch parameters; the tuning sweep varies these. ``block_n`` counts output columns (for SwiGLU the
-    program reads 2 * block_n weight rows). With M > 1 ``block_n`` and ``block_k`` must be >= 16."""
+    program reads 2 * block_n weight rows). With M > 1 and ``dot`` ``block_n`` and ``block_k`` must be >= 16.
+
+    ``swap`` (M > 1 with ``dot``): the swap-AB form, loads pipelined ``num_stages`` deep (1: register look-ahead).
+    ``f16`` (fp8 weights, swap form, bf16 / fp16 rows): the MMA in fp16. ``prefetch``: bytes of each of the
+    program's weight rows prefetched into L2 before the PDL wait (0: none). ``cublas``: not a Triton launch at all;
+    the dispatch runs the reference (cuBLAS) for this shape and bucket. ``bits`` (fp8 weights, GEMV and rows
+    forms): widen the weights by moving bits instead of conversion instructions."""
 
     block_n: int
     block_k: int
@@ -65,23 +100,29 @@ class LinearConfig:
     num_warps: int = 4
     num_stages: int = 1
     dot: bool = True  # M > 1: tl.dot over 16 padded rows; False: the GEMV form over next_pow2(M) rows
+    swap: bool = False
+    f16: bool = False
+    prefetch: int = 0
+    cublas: bool = False
+    bits: bool = False
 
 
-# Measured winners, (kind, N_out, K, swiglu) -> config. Kind "gemv" is M == 1; "m4", "m8", "m16" are the row
-# buckets M = 2..4, 5..8, 9..16; "dot" (M = 2..16, tl.dot) is what a bucket without an entry falls back to, and
-# what tables written before the buckets hold. Entries set here take precedence; the rest come from the table of
-# the current GPU (``tuned/<gpu name>.json``, written by ``python -m baton.ops.linear.bench --tune
+# Measured winners, (kind, N_out, K, swiglu) -> config. Kind "gemv" is M == 1; "m4", "m8", "m16", "m32" are the
+# row buckets M = 2..4, 5..8, 9..16, 17..32; "dot" (M = 2..32, tl.dot) is what a bucket without an entry falls
+# back to, and what tables written before the buckets hold. Entries set here take precedence; the rest come from
+# the table of the current GPU (``tuned/<gpu name>.json``, written by ``benchmarks/bench_decode_gemm.py --tune
 # --write-table``). Shapes in neither take ``_heuristic_config``. A bucket entry may choose ``dot=False``: the
-# verify's rows then take the GEMV form with every row in registers, not tl.dot over 16 padded rows (on the H200
-# a SmolLM2 NEXTN verify at M = 4 spent 2.3x the plain step's linear time through tl.dot, 2026-11-30 census).
-ROW_BUCKETS = (4, 8, 16)
+# verify's rows then take the GEMV form with every row in registers.
+ROW_BUCKETS = (4, 8, 16, 32)
 TUNED: dict[tuple[str, int, int, bool], LinearConfig] = {}
+TUNED_FP8: dict[tuple[str, int, int, bool], LinearConfig] = {}
 TUNED_DIR = Path(__file__).with_name("tuned")
+TUNED_FP8_DIR = Path(__file__).parents[1] / "fp8_linear" / "tuned"
 
 
-def table_path(device_name: str) -> Path:
+def table_path(device_name: str, directory: Path | None = None) -> Path:
     slug = "".join(c if c.isalnum() else "-" for c in device_name.lower()).strip("-")
-    return TUNED_DIR / f"{slug}.json"
+    return (TUNED_DIR if directory is None else directory) / f"{slug}.json"
 
 
 def read_table(path: Path) -> dict[tuple[str, int, int, bool], LinearConfig]:
@@ -92,8 +133,8 @@ def read_table(path: Path) -> dict[tuple[str, int, int, bool], LinearConfig]:
 
 
 @functools.cache
-def _device_table(device_name: str) -> dict[tuple[str, int, int, bool], LinearConfig]:
-    path = table_path(device_name)
+def _device_table(device_name: str, fp8: bool = False) -> dict[tuple[str, int, int, bool], LinearConfig]:
+    path = table_path(device_name, TUNED_FP8_DIR if fp8 else TUNED_DIR)
     return read_table(path) if path.is_file() else {}
 
 
@@ -128,15 +169,24 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _heuristic_config(m: int, n_out: int, k: int, swiglu: bool) -> LinearConfig:
-    """Bucket rules. M == 1: a tile of ~8K weight elements (64 per thread at 4 warps: eight 16-byte loads for
-    bf16, ~190 registers with the look-ahead tile and the [BLOCK_N, BLOCK_K] accumulator), BLOCK_N shrunk until
-    there are >= 2 programs per SM. M > 1 (tl.dot, BLOCK_N >= 16): a 4K-element tile (8K tiles reach 255
-    registers and spill), and K split when the column blocks alone leave SMs idle."""
+def _fill_split(n_blocks: int, k: int, block_k: int, target: int = 2 * NUM_SMS, most: int = 8) -> int:
+    """K splits that bring ``n_blocks`` column blocks to about ``target`` programs (1 when they already do)."""
+    if n_blocks >= target:
+        return 1
+    return max(1, min(most, k // block_k, triton.cdiv(target, n_blocks)))
+
+
+def _heuristic_config(m: int, n_out: int, k: int, swiglu: bool, fp8: bool = False) -> LinearConfig:
+    """Bucket rules for shapes no table names. M == 1: a tile of ~8K weight elements (64 per thread at 4 warps:
+    eight 16-byte loads for bf16, ~190 registers with the look-ahead tile and the [BLOCK_N, BLOCK_K] accumulator),
+    BLOCK_N shrunk until there are >= 2 programs per SM (fp8: one 128-column scale block per chunk). M > 1: the
+    swap form, 64 columns by 128, four stages, K split when the column blocks alone leave SMs idle."""
     rows_per_col = 2 if swiglu else 1
     target = 2 * NUM_SMS
     if m == 1:
-        if k <= 1024:
+        if fp8:
+            block_k = min(SB, _pow2_at_least(k))
+        elif k <= 1024:
             block_k = _pow2_at_least(k)  # one chunk
         else:
             block_k = next((b for b in (1024, 512, 256) if k % b == 0), 512)
@@ -145,24 +195,9 @@ def _heuristic_config(m: int, n_out: int, k: int, swiglu: bool) -> LinearConfig:
             block_n //= 2
         return LinearConfig(block_n, block_k, 1, 4, 1)
     block_k = 128 if k >= 128 else max(16, _pow2_at_least(k))
-    block_n = 32 if n_out >= 4096 and not swiglu else 16
-    n_blocks = triton.cdiv(n_out, block_n)
-    split_k = 1
-    if n_blocks < target:
-        split_k = max(1, min(8, triton.cdiv(k, block_k), triton.cdiv(target, n_blocks)))
-    return LinearConfig(block_n, block_k, split_k, 4, 1)
-
-
-def pick_config(m: int, n_out: int, k: int, swiglu: bool = False) -> LinearConfig:
-    """The config for x [m, k] and n_out output columns: a tuned entry if the shape has one, else the buckets."""
-    name = _current_device_name()
-    table = _device_table(name) if name else {}
-    for kind in table_kinds(m):
-        key = (kind, n_out, k, swiglu)
-        cfg = TUNED.get(key) or table.get(key)
-        if cfg is not None and (cfg.dot or kind != "dot"):
-            return cfg
-    return _heuristic_config(m, n_out, k, swiglu)
+    block_n = 64 if n_out >= 64 * NUM_SMS // 2 else 32 if n_out >= 32 else 16
+    split_k = _fill_split(triton.cdiv(n_out, block_n), k, block_k)
+    return LinearConfig(block_n, block_k, split_k, 4, 4 if block_n * block_k <= 8192 else 3, True, True)
 
 
 def table_kinds(m: int) -> tuple[str, ...]:
@@ -171,6 +206,20 @@ def table_kinds(m: int) -> tuple[str, ...]:
         return ("gemv",)
     bucket = next(b for b in ROW_BUCKETS if m <= b) if m <= ROW_BUCKETS[-1] else ROW_BUCKETS[-1]
     return (f"m{bucket}", "dot")
+
+
+def pick_config(m: int, n_out: int, k: int, swiglu: bool = False, fp8: bool = False) -> LinearConfig:
+    """The config for x [m, k] and n_out output columns: a tuned entry if the shape has one, else the buckets.
+    ``fp8``: the fp8 weights' table."""
+    name = _current_device_name()
+    table = _device_table(name, fp8) if name else {}
+    tuned = TUNED_FP8 if fp8 else TUNED
+    for kind in table_kinds(m):
+        key = (kind, n_out, k, swiglu)
+        cfg = tuned.get(key) or table.get(key)
+        if cfg is not None and (cfg.dot or kind != "dot") and not (cfg.cublas and kind == "dot"):
+            return cfg
+    return _heuristic_config(m, n_out, k, swiglu, fp8)
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -195,6 +244,15 @@ def _load_w(w_ptr, row_off, k0, k_hi, BLOCK_K: tl.constexpr, K_MASK: tl.constexp
     else:
         w = tl.load(ptrs, mask=k0 < k_hi, other=0.0)
     return w
+
+
+@triton.jit
+def _prefetch_l2(ptrs, nbytes: tl.constexpr):
+    """``cp.async.bulk.prefetch.L2``: ``nbytes`` from each address of ``ptrs`` (16-byte aligned) into L2."""
+    addr = ptrs.to(tl.int64)
+    size = tl.full(addr.shape, nbytes, tl.int32)
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                              [addr, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -243,21 +301,110 @@ def _load_h(x_ptr, nw_ptr, offs_m, offs_k, m_mask, k_hi, rstd, stride_xm,
 
 
 @triton.jit
-def _mac(acc, h, w, USE_DOT: tl.constexpr, ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-         INTERPRET: tl.constexpr):
-    """acc += h @ w.T: [BLOCK_M, BLOCK_N] through tl.dot; or, without it, [BLOCK_M, BLOCK_N] from each chunk's
-    row-times-tile products reduced over K (ROWS: a few rows), or (M == 1) the [BLOCK_N, BLOCK_K] partial
-    products, reduced once after the loop. The interpreter's dot multiplies bf16 bit patterns as integers, so
-    there it runs on exact fp32 copies."""
-    if USE_DOT:
-        if INTERPRET:
-            acc = tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    elif ROWS:
-        acc = acc + tl.sum(h.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+def _load_s(s_base, k0, k_hi, BLOCK_K: tl.constexpr, SB: tl.constexpr, S_MODE: tl.constexpr):
+    """The fp8 block scales of the chunk at k0: a scalar (S_SCALAR; ``s_base`` the tile's scale row), one per
+    column (S_KVEC, a chunk wider than a scale block), or one per row (S_ROWVEC; ``s_base`` [BLOCK_N] pointers).
+    Chunks past ``k_hi`` (the last split's empty ones) read nothing. No scales (S_NONE): 1."""
+    if S_MODE == 0:
+        s = 1.0
+    elif S_MODE == 2:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        s = tl.load(s_base + offs_k // SB, mask=offs_k < k_hi, other=0.0)
     else:
-        acc = acc + w.to(tl.float32) * h.to(tl.float32)
+        s = tl.load(s_base + k0 // SB, mask=k0 < k_hi, other=0.0)
+    return s
+
+
+@triton.jit
+def _e4m3_bits(w):
+    """fp8 e4m3 -> fp32 by moving bits (sign to bit 31, exponent and mantissa to bits 20..26): the value times
+    2^-120 for every finite code, subnormal ones included (integer ops only, no conversion instructions)."""
+    u = w.to(tl.uint8, bitcast=True).to(tl.uint32)
+    return (((u & 0x80) << 24) | ((u & 0x7F) << 20)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mac(acc, h, w, s, FORM: tl.constexpr, S_MODE: tl.constexpr, DOT_F16: tl.constexpr, BITS: tl.constexpr,
+         DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    """One chunk into the accumulator. GEMV: acc [BLOCK_N, BLOCK_K] += the products (reduced after the loop);
+    rows / dot: acc [BLOCK_M, BLOCK_N] += h @ w.T; swap: acc [BLOCK_N, BLOCK_M] += w @ h.T. ``s``: the fp8 chunk's
+    scales (S_MODE), ignored for S_NONE. BITS (fp8, GEMV and rows forms): widen with ``_e4m3_bits`` and fold its
+    2^120 into the scale. The interpreter's dot multiplies bf16 / fp16 bit patterns as integers, so there it runs on
+    exact fp32 copies."""
+    if BITS:
+        s = s * 1.329227995784916e36  # 2^120
+    if FORM == 0:
+        if BITS:
+            wf = _e4m3_bits(w)
+        else:
+            wf = w.to(tl.float32)
+        hf = h.to(tl.float32)  # [1, BLOCK_K]
+        if S_MODE == 1:
+            acc = acc + wf * (hf * s)
+        elif S_MODE == 2:
+            acc = acc + wf * (hf * s[None, :])
+        elif S_MODE == 3:
+            acc = acc + (wf * s[:, None]) * hf
+        else:
+            acc = acc + wf * hf
+    elif FORM == 1:
+        hf = h.to(tl.float32)
+        if S_MODE == 2:
+            hf = hf * s[None, :]
+        if BITS:
+            wf = _e4m3_bits(w)
+        else:
+            wf = w.to(tl.float32)
+        part = tl.sum(hf[:, None, :] * wf[None, :, :], axis=2)  # [BLOCK_M, BLOCK_N]
+        if S_MODE == 1:
+            part = part * s
+        elif S_MODE == 3:
+            part = part * s[None, :]
+        acc = acc + part
+    elif FORM == 2:
+        if S_MODE == 0:
+            if INTERPRET:
+                acc = tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(h, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        else:
+            if INTERPRET or DOT_PRECISION == "ieee":
+                part = tl.dot(h.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+            else:
+                part = tl.dot(h, tl.trans(w.to(h.dtype)))
+            if S_MODE == 3:
+                acc += part * s[None, :]
+            else:
+                acc += part * s
+    else:
+        if S_MODE == 0:
+            if INTERPRET:
+                acc = tl.dot(w.to(tl.float32), tl.trans(h.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(h), acc, input_precision=DOT_PRECISION)
+        else:
+            if DOT_F16:
+                # each row of the chunk times 2^-e into [2^14, 2^15) at its largest: exact in fp16
+                hf = h.to(tl.float32)
+                amax = tl.max(tl.abs(hf), axis=1)  # [BLOCK_M]
+                e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141
+                e = tl.minimum(tl.maximum(e, -100), 100)
+                down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+                up = ((127 + e) << 23).to(tl.float32, bitcast=True)
+                hs = (hf * down[:, None]).to(tl.float16)
+                if INTERPRET:
+                    part = tl.dot(w.to(tl.float32), tl.trans(hs.to(tl.float32)), input_precision="ieee")
+                else:
+                    part = tl.dot(w.to(tl.float16), tl.trans(hs))
+                part = part * up[None, :]
+            elif INTERPRET or DOT_PRECISION == "ieee":
+                part = tl.dot(w.to(tl.float32), tl.trans(h.to(tl.float32)), input_precision="ieee")
+            else:
+                part = tl.dot(w.to(h.dtype), tl.trans(h))
+            if S_MODE == 3:
+                acc += part * s[:, None]
+            else:
+                acc += part * s
     return acc
 
 
@@ -286,20 +433,24 @@ def _epilogue(acc, acc_up, out_ptr, res_ptr, offs_m, offs_n, M, N_OUT, stride_om
 
 @triton.jit
 def linear_kernel(
-    x_ptr, w_ptr, nw_ptr, res_ptr, out_ptr, part_ptr, count_ptr,
+    x_ptr, w_ptr, s_ptr, rb_ptr, nw_ptr, res_ptr, out_ptr, part_ptr, count_ptr,
     M, N_OUT,
-    stride_xm, stride_wn, stride_rm, stride_om,
+    stride_xm, stride_wn, stride_sn, stride_rm, stride_om,
     eps, limit,
     K: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_BK: tl.constexpr,
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, INTERPRET: tl.constexpr,
+    FORM: tl.constexpr, S_MODE: tl.constexpr, ROW_MAP: tl.constexpr, SB: tl.constexpr, DOT_F16: tl.constexpr,
+    BITS: tl.constexpr, PREFETCH: tl.constexpr, LOOKAHEAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """out[M, N_OUT] = epilogue(prologue(x) @ w.T). w has N_OUT rows (2 * N_OUT for SwiGLU: gate then up)."""
+    """out[M, N_OUT] = epilogue(prologue(x) @ dequantise(w).T). w has N_OUT rows (2 * N_OUT for SwiGLU: gate then
+    up); fp8 (S_MODE > 0) with scales ``s_ptr`` [row blocks, cdiv(K, SB)] and, with ROW_MAP, each row's scale row
+    ``rb_ptr[row]``."""
     Y_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    H_DTYPE: tl.constexpr = w_ptr.dtype.element_ty
+    H_DTYPE: tl.constexpr = Y_DTYPE if S_MODE > 0 else w_ptr.dtype.element_ty
     K_MASK: tl.constexpr = (K % BLOCK_K != 0) or (K_PER_SPLIT % BLOCK_K != 0)
-    ROWS: tl.constexpr = (BLOCK_M > 1) and not USE_DOT  # a few rows, GEMV form
+    N_CHUNKS: tl.constexpr = K_PER_SPLIT // BLOCK_K  # the last split may run a few empty (fully masked) chunks
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -311,7 +462,11 @@ def linear_kernel(
     k_lo = pid_k * K_PER_SPLIT
     k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
 
-    # Weights never depend on the previous kernel: request the first tile before waiting on it.
+    # Weights never depend on the previous kernel: request the first tile (and prefetch more) before waiting.
+    if PREFETCH > 0:
+        _prefetch_l2(w_ptr + row_off + k_lo, PREFETCH)
+        if SWIGLU:
+            _prefetch_l2(w_ptr + up_off + k_lo, PREFETCH)
     w = _load_w(w_ptr, row_off, k_lo, k_hi, BLOCK_K, K_MASK)  # [BLOCK_N, BLOCK_K]
     w_up = w
     if SWIGLU:
@@ -322,29 +477,81 @@ def linear_kernel(
 
     rstd = _row_rstd(x_ptr, offs_m, m_mask, stride_xm, K, eps, BLOCK_M, STATS_BK, HAS_NORM)
 
-    if USE_DOT or ROWS:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = acc
-    for i in range(0, K_PER_SPLIT // BLOCK_K):  # the last split may run a few empty (fully masked) chunks
-        k0 = k_lo + i * BLOCK_K
-        w_next = _load_w(w_ptr, row_off, k0 + BLOCK_K, k_hi, BLOCK_K, K_MASK)  # look-ahead; zeros past k_hi
-        if SWIGLU:
-            w_up_next = _load_w(w_ptr, up_off, k0 + BLOCK_K, k_hi, BLOCK_K, K_MASK)
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        h = _load_h(x_ptr, nw_ptr, offs_m, offs_k, m_mask, k_hi, rstd, stride_xm, HAS_NORM, H_DTYPE, INTERPRET)
-        acc = _mac(acc, h, w, USE_DOT, ROWS, DOT_PRECISION, INTERPRET)
-        w = w_next
-        if SWIGLU:
-            acc_up = _mac(acc_up, h, w_up, USE_DOT, ROWS, DOT_PRECISION, INTERPRET)
-            w_up = w_up_next
-    if not USE_DOT and not ROWS:
-        acc = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
-        if SWIGLU:
-            acc_up = tl.sum(acc_up, axis=1)[None, :]
+    # fp8 scales: the tile's scale row (scalar / per-column modes) or each row's (per-row mode)
+    if S_MODE == 3:
+        if ROW_MAP:
+            s_base = s_ptr + tl.load(rb_ptr + rows).to(tl.int64) * stride_sn
         else:
-            acc_up = acc  # same shape on both sides of the split-K branch below
+            s_base = s_ptr + (rows // SB) * stride_sn
+        s_up = s_base
+        if SWIGLU:
+            if ROW_MAP:
+                s_up = s_ptr + tl.load(rb_ptr + rows + N_OUT).to(tl.int64) * stride_sn
+            else:
+                s_up = s_ptr + ((rows + N_OUT) // SB) * stride_sn
+    else:
+        s_base = s_ptr + ((pid_n * BLOCK_N) // SB) * stride_sn
+        s_up = s_ptr + ((pid_n * BLOCK_N + N_OUT) // SB) * stride_sn
+
+    if FORM == 3:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    elif FORM == 0:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = acc
+    if not LOOKAHEAD:
+        # The chunk loaded before the wait, then a plain loop that the compiler pipelines (num_stages).
+        h = _load_h(x_ptr, nw_ptr, offs_m, k_lo + tl.arange(0, BLOCK_K), m_mask, k_hi, rstd, stride_xm, HAS_NORM,
+                    H_DTYPE, INTERPRET)
+        s0 = _load_s(s_base, k_lo, k_hi, BLOCK_K, SB, S_MODE)
+        acc = _mac(acc, h, w, s0, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET)
+        if SWIGLU:
+            su0 = _load_s(s_up, k_lo, k_hi, BLOCK_K, SB, S_MODE)
+            acc_up = _mac(acc_up, h, w_up, su0, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET)
+        for i in range(1, N_CHUNKS):
+            k0 = k_lo + i * BLOCK_K
+            w = _load_w(w_ptr, row_off, k0, k_hi, BLOCK_K, K_MASK)
+            h = _load_h(x_ptr, nw_ptr, offs_m, k0 + tl.arange(0, BLOCK_K), m_mask, k_hi, rstd, stride_xm, HAS_NORM,
+                        H_DTYPE, INTERPRET)
+            s = _load_s(s_base, k0, k_hi, BLOCK_K, SB, S_MODE)
+            acc = _mac(acc, h, w, s, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET)
+            if SWIGLU:
+                w_up = _load_w(w_ptr, up_off, k0, k_hi, BLOCK_K, K_MASK)
+                s_u = _load_s(s_up, k0, k_hi, BLOCK_K, SB, S_MODE)
+                acc_up = _mac(acc_up, h, w_up, s_u, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET)
+        acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+        if SWIGLU:
+            acc_up = tl.trans(acc_up)
+        else:
+            acc_up = acc
+    else:
+        for i in range(0, N_CHUNKS):
+            k0 = k_lo + i * BLOCK_K
+            w_next = _load_w(w_ptr, row_off, k0 + BLOCK_K, k_hi, BLOCK_K, K_MASK)  # look-ahead; zeros past k_hi
+            if SWIGLU:
+                w_up_next = _load_w(w_ptr, up_off, k0 + BLOCK_K, k_hi, BLOCK_K, K_MASK)
+            h = _load_h(x_ptr, nw_ptr, offs_m, k0 + tl.arange(0, BLOCK_K), m_mask, k_hi, rstd, stride_xm, HAS_NORM,
+                        H_DTYPE, INTERPRET)
+            s = _load_s(s_base, k0, k_hi, BLOCK_K, SB, S_MODE)
+            acc = _mac(acc, h, w, s, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET)
+            w = w_next
+            if SWIGLU:
+                s_u = _load_s(s_up, k0, k_hi, BLOCK_K, SB, S_MODE)
+                acc_up = _mac(acc_up, h, w_up, s_u, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET)
+                w_up = w_up_next
+        if FORM == 0:
+            acc = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
+            if SWIGLU:
+                acc_up = tl.sum(acc_up, axis=1)[None, :]
+            else:
+                acc_up = acc  # same shape on both sides of the split-K branch below
+        elif FORM == 3:
+            acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
+            if SWIGLU:
+                acc_up = tl.trans(acc_up)
+            else:
+                acc_up = acc
 
     if SPLIT_K == 1:
         _epilogue(acc, acc_up, out_ptr, res_ptr, offs_m, offs_n, M, N_OUT, stride_om, stride_rm, limit,
@@ -362,10 +569,10 @@ def linear_kernel(
         if arrived == SPLIT_K - 1:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             acc_up = acc
-            for s in tl.static_range(SPLIT_K):  # fixed order: the result does not depend on who came last
-                acc += tl.load(part + s * M * n_rows, mask=pm, other=0.0, cache_modifier=".cg")
+            for sp in tl.static_range(SPLIT_K):  # fixed order: the result does not depend on who came last
+                acc += tl.load(part + sp * M * n_rows, mask=pm, other=0.0, cache_modifier=".cg")
                 if SWIGLU:
-                    acc_up += tl.load(part + s * M * n_rows + N_OUT, mask=pm, other=0.0, cache_modifier=".cg")
+                    acc_up += tl.load(part + sp * M * n_rows + N_OUT, mask=pm, other=0.0, cache_modifier=".cg")
             tl.store(count_ptr + pid_n, 0)
             _epilogue(acc, acc_up, out_ptr, res_ptr, offs_m, offs_n, M, N_OUT, stride_om, stride_rm, limit,
                       Y_DTYPE, HAS_RES, SWIGLU, HAS_LIMIT, INTERPRET)
@@ -374,25 +581,41 @@ def linear_kernel(
 def supports(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None,
              residual: torch.Tensor | None = None, swiglu: bool = False) -> bool:
     """Whether the Triton path takes this call: CUDA or interpreter-resident tensors of one float dtype,
-    at most MAX_M rows, the residual (if any) shaped like the output."""
+    at most MAX_M rows, the residual (if any) shaped like the output, and no table entry that names cuBLAS for
+    the shape."""
     if x.dim() < 1 or weight.dim() != 2 or x.shape[-1] != weight.shape[1] or x.numel() == 0:
         return False
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or weight.dtype != x.dtype:
         return False
     if norm_weight is not None and (norm_weight.dtype != x.dtype or norm_weight.shape != (x.shape[-1],)):
         return False
-    if x.numel() // x.shape[-1] > MAX_M or (swiglu and weight.shape[0] % 2):
+    m = x.numel() // x.shape[-1]
+    if m > MAX_M or (swiglu and weight.shape[0] % 2):
         return False
+    n_out = weight.shape[0] // 2 if swiglu else weight.shape[0]
     if residual is not None:
-        n_out = weight.shape[0] // 2 if swiglu else weight.shape[0]
         if residual.shape != (*x.shape[:-1], n_out) or not residual.dtype.is_floating_point:
             return False
-    return True
+    return not pick_config(m, n_out, x.shape[-1], swiglu).cublas
+
+
+def _scale_mode(fp8: bool, form: int, cfg_block_n: int, block_k: int, n_out: int, swiglu: bool,
+                row_map: bool) -> int:
+    if not fp8:
+        return S_NONE
+    if row_map or SB % cfg_block_n or (swiglu and n_out % SB):
+        return S_ROWVEC
+    if block_k > SB:
+        return S_KVEC
+    return S_SCALAR
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
             residual: torch.Tensor | None, swiglu: bool, limit: float, config: LinearConfig | None,
-            use_pdl: bool | None) -> torch.Tensor:
+            use_pdl: bool | None, scale: torch.Tensor | None = None,
+            row_block: torch.Tensor | None = None) -> torch.Tensor:
+    """One launch of ``linear_kernel``; ``scale`` (fp32 [row blocks, cdiv(K, 128)]) marks an fp8 weight."""
+    fp8 = scale is not None
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -409,33 +632,50 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | N
         res2 = residual.reshape(m, n_out)
         if res2.stride(-1) != 1:
             res2 = res2.contiguous()
-    cfg = config or pick_config(m, n_out, k, swiglu)
+    cfg = config or pick_config(m, n_out, k, swiglu, fp8)
     use_dot = m > 1 and cfg.dot
-    block_m = 16 if use_dot else _pow2_at_least(m)
+    form = (SWAP if cfg.swap else DOT) if use_dot else (ROWS if m > 1 else GEMV)
+    block_m = max(16, _pow2_at_least(m)) if use_dot else _pow2_at_least(m)
+    block_k = cfg.block_k
+    if fp8 and block_k > SB and (form >= DOT or row_block is not None or SB % cfg.block_n or (swiglu and n_out % SB)):
+        block_k = SB  # these forms need a chunk inside one scale column
     if use_dot:
-        assert cfg.block_n >= 16 and cfg.block_k >= 16, "tl.dot needs BLOCK_N, BLOCK_K >= 16"
+        assert cfg.block_n >= 16 and block_k >= 16, "tl.dot needs BLOCK_N, BLOCK_K >= 16"
+    s_mode = _scale_mode(fp8, form, cfg.block_n, block_k, n_out, swiglu, row_block is not None)
     n_blocks = triton.cdiv(n_out, cfg.block_n)
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
     split_k = triton.cdiv(k, k_per_split)
     if split_k > 1 and n_blocks > NUM_COUNTERS:
-        split_k, k_per_split = 1, triton.cdiv(k, cfg.block_k) * cfg.block_k
+        split_k, k_per_split = 1, triton.cdiv(k, block_k) * block_k
     if split_k > 1:
         part = torch.empty((split_k, m, weight.shape[0]), dtype=torch.float32, device=x.device)  # [S, M, N_rows]
         counters = _split_counters(x.device)
     else:
         part = counters = out  # unused
     pdl = pdl_enabled(x.device) if use_pdl is None else use_pdl
+    prefetch = 0
+    if cfg.prefetch and pdl and not env.triton_interpret():
+        esize = weight.element_size()
+        last = k - (split_k - 1) * k_per_split  # the shortest split's columns
+        prefetch = min(cfg.prefetch, last * esize) // 16 * 16
+        if weight.data_ptr() % 16 or (weight.stride(0) * esize) % 16 or (k_per_split * esize) % 16:
+            prefetch = 0
     extra = {"launch_pdl": True} if pdl else {}
+    dot_f16 = bool(fp8 and cfg.f16 and form == SWAP and x.dtype != torch.float32)
     linear_kernel[(n_blocks, split_k)](
-        x2, weight, x2 if norm_weight is None else norm_weight, res2, out, part, counters,
+        x2, weight, out if scale is None else scale, out if row_block is None else row_block,
+        x2 if norm_weight is None else norm_weight, res2, out, part, counters,
         m, n_out,
-        x2.stride(0), weight.stride(0), res2.stride(0), out.stride(0),
+        x2.stride(0), weight.stride(0), 0 if scale is None else scale.stride(0), res2.stride(0), out.stride(0),
         float(eps), float(limit),
         K=k, K_PER_SPLIT=k_per_split, SPLIT_K=split_k,
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         STATS_BK=min(_pow2_at_least(k), 8192 // block_m),
         HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, SWIGLU=swiglu, HAS_LIMIT=limit > 0,
-        USE_DOT=use_dot, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+        FORM=form, S_MODE=s_mode, ROW_MAP=row_block is not None, SB=SB, DOT_F16=dot_f16,
+        BITS=bool(fp8 and cfg.bits and form in (GEMV, ROWS)), PREFETCH=prefetch,
+        LOOKAHEAD=not (form == SWAP and cfg.num_stages > 1),
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         INTERPRET=env.triton_interpret(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
@@ -445,7 +685,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | N
 def linear_fwd(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                residual: torch.Tensor | None = None, config: LinearConfig | None = None,
                use_pdl: bool | None = None) -> torch.Tensor:
-    """``[residual +] (rms_norm(x) if norm_weight else x) @ weight.T``. x [M, K] (M <= 16), weight [N, K] -> [M, N].
+    """``[residual +] (rms_norm(x) if norm_weight else x) @ weight.T``. x [M, K] (M <= 32), weight [N, K] -> [M, N].
     ``config`` overrides the table; ``use_pdl`` overrides ``pdl_enabled()``."""
     return _launch(x, weight, norm_weight, eps, residual, False, 0.0, config, use_pdl)
 
@@ -454,7 +694,7 @@ def linear_swiglu_fwd(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.
                       eps: float = 1e-6, limit: float = 0.0, config: LinearConfig | None = None,
                       use_pdl: bool | None = None) -> torch.Tensor:
     """``swiglu((rms_norm(x) if norm_weight else x) @ weight.T, limit)``; weight [2I, K] holds gate rows then up
-    rows. x [M, K] (M <= 16) -> [M, I]."""
+    rows. x [M, K] (M <= 32) -> [M, I]."""
     return _launch(x, weight, norm_weight, eps, None, True, limit, config, use_pdl)
 
 
