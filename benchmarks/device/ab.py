@@ -47,7 +47,7 @@ def summary(path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trees", nargs=2, default=[".old", ".new"], type=Path)
+    ap.add_argument("--trees", nargs=2, default=[Path(".old"), Path(".new")], type=Path)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--summary", type=Path, default=None, help="print bench_tpot.py's JSON lines in FILE")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)

@@ -486,7 +486,7 @@ def moe_align_torch(flat_ids: torch.Tensor, num_experts: int, block_m: int) -> A
     pos = torch.arange(num_pairs, device=device)
     rank = pos - starts[sorted_e]
     nblk = (counts + block_m - 1) // block_m
-    nblk[num_experts] = 0
+    nblk[num_experts:].zero_()  # (a device op: capturable)
     blk_off = torch.cumsum(nblk, 0) - nblk
     leader = (rank % block_m == 0) & (sorted_e < num_experts)
     dst = torch.where(leader, blk_off[sorted_e] + rank // block_m, max_blocks)  # non-leaders go to a dump slot
