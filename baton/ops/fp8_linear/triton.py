@@ -79,9 +79,8 @@ def fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K: tl.constexpr, strid
 
 def pick_tiles(m: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for ``m`` rows. One row: the sweep's winner at the Ling lm_head
-    (``python -m baton.ops.fp8_linear.bench --shapes 157184x2560 78592x2560 --rows 1 --sweep`` on an H200,
-    2026-11-30: 136.6 us at 157184 x 2560 against 142.7 us for (64, 128, 4, 3), and 79.0 against 83.0 us at TP2's
-    half; the floor is 83.8 and 41.9 us). More rows: not swept yet."""
+    (``python -m benchmarks.ops.bench_fp8_linear --shapes 157184x2560 78592x2560 --rows 1 --sweep``; the figures are
+    in docs/performance.md, "Notes moved from code comments"). More rows: not swept yet."""
     return (32, 128, 4, 2) if m == 1 else (64, 128, 4, 2)
 
 
