@@ -86,6 +86,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--read-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="a client gets this long to send a request's headers, and again its body; a connection "
                         "that sends nothing, or trickles, is closed (408 once its headers are in)")
+    g.add_argument("--skip-server-warmup", action="store_true",
+                   help="listen at once; by default baton serve first runs warm-up requests (on a GPU one of a long "
+                        "prompt too), so the kernels a first request needs are compiled before /health says ok")
 
 
 def server_args_from(ns: argparse.Namespace) -> ServerArgs:

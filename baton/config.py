@@ -304,6 +304,7 @@ class ServerArgs:
     shutdown_timeout: float = 5.0  # seconds running requests get after SIGTERM before they are aborted
     timeout_keep_alive: float = 30.0  # seconds an idle keep-alive connection stays open
     read_timeout: float = 30.0  # seconds a client has to send a request's headers, and again its body
+    skip_server_warmup: bool = False  # baton serve: listen without first running the warm-up requests
     enable_fp32_lm_head: bool = False  # keep an fp32 copy of the lm_head (default: the model dtype)
     enable_fp32_router: bool = False  # keep the MoE router gate in fp32 (default: the model dtype)
     enable_fp8_draft_lm_head: bool = False  # drafts' logits from an fp8 copy of the lm_head (the verify's unchanged)

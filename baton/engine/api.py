@@ -67,3 +67,32 @@ class EngineAPI(Protocol):
 
     def add_observer(self, fn: Callable[[RequestTrace], None]) -> None:
         """Call ``fn`` with a RequestTrace when each request ends (on the engine thread)."""
+
+    def warm_up(self) -> None:
+        """Run the warm-up requests (``warm_up_requests``), then forget them (flush_cache)."""
+
+
+def warm_up_requests(vocab_size: int, context_length: int, long_prompt: bool) -> list[Request]:
+    """What ``baton serve`` runs before it listens: a short greedy request (the decode and verify programs'
+    kernels), and with ``long_prompt`` (a GPU) one of up to 8192 tokens, whose prefill compiles and tunes the
+    prefill kernels at the lengths users send (a first 8192-token prompt otherwise pays ~11 s of compilation on
+    the H200). Token ids are a fixed arithmetic sequence inside the vocabulary."""
+    from baton.types import SamplingParams
+
+    def prompt(n: int) -> list[int]:
+        return [(7 + 31 * i) % vocab_size for i in range(n)]
+
+    out = [Request(prompt(16), SamplingParams(max_new_tokens=8, ignore_eos=True), rid="warmup-short")]
+    n = min(8192, context_length - 16)
+    if long_prompt and n > 16:
+        out.append(Request(prompt(n), SamplingParams(max_new_tokens=4, ignore_eos=True), rid="warmup-long"))
+    return out
+
+
+def run_warm_up(engine: EngineAPI, long_prompt: bool) -> None:
+    """``warm_up`` for any EngineAPI: the requests through its own ``generate`` (under tensor parallelism, mirrored
+    on every rank), then ``flush_cache``."""
+    for req in warm_up_requests(engine.vocab_size or 256, engine.context_length, long_prompt):
+        for _ in engine.generate(req):
+            pass
+    engine.flush_cache()

@@ -23,7 +23,7 @@ import torch
 
 from baton import dist, env
 from baton.config import ConfigError, LingConfig, ServerArgs
-from baton.engine.api import RequestTrace
+from baton.engine.api import RequestTrace, run_warm_up
 from baton.engine.load import load_target
 from baton.engine.output import OutputTracker
 from baton.layers.context import ModelRunner
@@ -185,6 +185,9 @@ class Engine:
 
     def add_observer(self, fn: Callable[[RequestTrace], None]) -> None:
         self._observers.append(fn)
+
+    def warm_up(self) -> None:
+        run_warm_up(self, long_prompt=self.device.type == "cuda")
 
     def generate(self, req: Request, should_abort: Callable[[], bool] | None = None) -> Iterator[StepOutput]:
         self.validate_request(req)

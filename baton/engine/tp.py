@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from baton import dist
 from baton.config import ConfigError, ServerArgs
-from baton.engine.api import RequestTrace
+from baton.engine.api import RequestTrace, run_warm_up
 from baton.types import Request, SpecStats, StepOutput
 
 if TYPE_CHECKING:
@@ -120,6 +120,9 @@ class TPEngine:
 
     def add_observer(self, fn: Callable[[RequestTrace], None]) -> None:
         self.engine.add_observer(fn)
+
+    def warm_up(self) -> None:
+        run_warm_up(self, long_prompt=self.engine.device.type == "cuda")  # through generate: every rank runs it
 
     def generate(self, req: Request, should_abort: Callable[[], bool] | None = None) -> Iterator[StepOutput]:
         self.engine.validate_request(req)  # a rejected request never reaches the other ranks

@@ -806,6 +806,10 @@ def run_server(server_args: ServerArgs, engine_factory: Callable[[ServerArgs], E
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     engine = engine_factory(server_args)
+    if not server_args.skip_server_warmup:
+        t0 = time.perf_counter()
+        engine.warm_up()
+        logger.info("warm-up requests done in %.1f s (--skip-server-warmup skips them)", time.perf_counter() - t0)
     app = create_app(engine, server_args)
     config = uvicorn.Config(
         app,

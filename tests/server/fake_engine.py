@@ -87,6 +87,7 @@ class FakeEngine:
         self.max_active = 0
         self.thread_ids: set[int] = set()
         self.observers: list[Callable[[RequestTrace], None]] = []
+        self.warm_ups = 0
         self._active = 0
 
     # ---- contract ----
@@ -119,6 +120,9 @@ class FakeEngine:
 
     def add_observer(self, fn: Callable[[RequestTrace], None]) -> None:
         self.observers.append(fn)
+
+    def warm_up(self) -> None:
+        self.warm_ups += 1
 
     def model_info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True}
