@@ -155,6 +155,11 @@ JOBS: list[Job] = [
                           "off and on, against HF generate and HF StaticCache + torch.compile in the same run",
         commands=("python3 -m benchmarks.bench_smollm2_decode --fused-attention ab",),
         gpus=1, limit_s=300, needs=("gguf",), outputs=("smollm2_decode.json",)),
+    Job("domains-smollm2", "speculation over domains on the embedded model: accept length and tok/s against plain "
+                           "for each held-out domain, GSM8K and random ids, the default drafter fixed and adaptive",
+        commands=("python3 -m benchmarks.bench_domains --per-domain 3 --max-new-tokens 128 "
+                  "--gsm8k $TMP/gsm8k/test.jsonl --name domains_h200 --plot $R/domains_h200.png",),
+        gpus=1, limit_s=420, needs=("gguf", "gsm8k"), outputs=("domains_h200.json", "domains_h200.png")),
     Job("smollm2-decode-dummy", "the same decode on dummy weights at SmolLM2's config (no GGUF needed), with the "
                                 "HF compiled peer",
         commands=(f"python3 -m benchmarks.bench_smollm2_decode --model-path {SMOL_CONFIG} --load-format dummy "
