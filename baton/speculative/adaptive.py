@@ -9,9 +9,10 @@ deeper positions are not seen. Each request starts from the engine's running est
 saw), so a second request of the same kind starts at the right depth.
 
 A depth below the maximum leaves the deeper positions unobserved, and depth 0 observes nothing, so every
-``probe_interval`` steps below the maximum the policy runs one step at the full depth; a probe that does not
-bring a deeper choice doubles the interval (up to ``max_probe_interval``), one that does resets it. A request
-that turns predictable therefore gets its speculation back within a few probes.
+``probe_interval`` steps below the maximum the policy runs one step at the full depth (its observation weighs more
+than a regular step's, ``probe_decay``); a probe that does not bring a deeper choice doubles the interval (up to
+``max_probe_interval``), one that does resets it. A request that turns predictable therefore gets its speculation
+back within a few probes.
 
 The step times t(d) come from ``StepProgram.time_depths`` at start-up (under tensor parallelism rank 0's, so
 every rank decides alike) and, when ``online_times`` is on (one process), an exponential moving average of the
@@ -60,7 +61,7 @@ class AdaptiveDepth:
     maximum; ``step_ms``: t(d) for each. ``prior``: the acceptance estimate before anything was seen."""
 
     def __init__(self, depths: Sequence[int], step_ms: dict[int, float], *, prior: float = 0.6,
-                 decay: float = 0.15, time_decay: float = 0.1, probe_interval: int = 8,
+                 decay: float = 0.15, probe_decay: float = 0.5, time_decay: float = 0.1, probe_interval: int = 8,
                  max_probe_interval: int = 64, online_times: bool = False) -> None:
         self.depths = tuple(sorted(depths))
         self.max_depth = self.depths[-1]
@@ -68,7 +69,7 @@ class AdaptiveDepth:
         if missing or any(step_ms[d] <= 0 for d in self.depths):
             raise ValueError(f"step times needed (> 0) for every depth {self.depths}: got {step_ms}")
         self.step_ms = {d: float(step_ms[d]) for d in self.depths}
-        self.decay, self.time_decay = decay, time_decay
+        self.decay, self.probe_decay, self.time_decay = decay, probe_decay, time_decay
         self.base_interval, self.max_interval = probe_interval, max_probe_interval
         self.online_times = online_times
         self.shared = [prior] * self.max_depth  # p_1..p_k across requests (the next request's start)
@@ -110,15 +111,18 @@ class AdaptiveDepth:
             self.step_ms[depth] += self.time_decay * (step_ms - self.step_ms[depth])
 
     def observe(self, depth: int, accepted: int) -> None:
-        """A step at ``depth`` accepted ``accepted`` drafts."""
+        """A step at ``depth`` accepted ``accepted`` drafts. A probe (a full-depth step while the choice is
+        shallower) is the only news about the deeper positions, so it weighs more (``probe_decay``)."""
+        probe = depth == self.max_depth and self.choice < self.max_depth
+        rate = self.probe_decay if probe else self.decay
         seen = min(accepted + 1, depth)
         for i in range(seen):
             hit = 1.0 if i < accepted else 0.0
-            self.p[i] += self.decay * (hit - self.p[i])
+            self.p[i] += rate * (hit - self.p[i])
             self.shared[i] += self.decay * (hit - self.shared[i])
         before = self.choice
         self.choice = self.best()
-        if depth == self.max_depth and before < self.max_depth:  # a probe: back off unless it paid
+        if probe:  # back off unless it paid
             self.interval = self.base_interval if self.choice > before else min(2 * self.interval, self.max_interval)
 
 

@@ -181,3 +181,18 @@ def test_adaptive_off_and_simulated_acceptance_keep_the_full_depth(ling_path):
     assert isinstance(engine.depth_policy, FixedDepth) and engine.program.depths == (3,)
     engine = make_engine(ling_path, algorithm="NEXTN", num_steps=3, simulate_accept_len=2.5, adaptive=True)
     assert isinstance(engine.depth_policy, FixedDepth) and engine.program.depths == (3,)
+
+
+def test_one_good_probe_is_enough_to_speculate_again():
+    """After a run of rejections (depth 0), a probe whose drafts are all accepted brings speculation back at once:
+    a probe is the only news about the deep positions, so it weighs more than a regular step."""
+    p = _policy(prior=0.3, probe_interval=4)
+    p.begin_request()
+    _feed(p, lambda d: 0, 30)
+    assert p.choice == 0
+    d = p.choose()
+    while d != 8:  # wait for the probe
+        p.observe(d, 0)
+        d = p.choose()
+    p.observe(8, 8)
+    assert p.choice >= 4  # (weighed like a regular step, the probe would bring back depth 1 only)
