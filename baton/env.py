@@ -33,10 +33,10 @@ def disable_progress() -> bool:
 
 
 def gguf_cpu_quantized() -> bool:
-    """``BATON_GGUF_QUANT=1`` (default off): on the CPU a GGUF runs on its own Q4_1 / Q8_0 weights
-    (baton.ops.quant_cpu, 3x the fp32 decode speed) instead of weights dequantised to fp32. Opt-in until its
-    start-up cost is cut: each new process compiles its kernels per row count (about 30 s before the first token)."""
-    return _get("BATON_GGUF_QUANT", "0") not in ("0", "", "false", "False")
+    """``BATON_GGUF_QUANT`` (default on; ``0`` turns it off): on the CPU a GGUF with ``--dtype auto`` runs on its own
+    Q4_1 / Q8_0 weights (baton.ops.quant_cpu: C kernels built once per machine, a few seconds, then cached) instead
+    of weights dequantised to fp32 (what ``--dtype float32`` loads)."""
+    return _get("BATON_GGUF_QUANT", "1") not in ("0", "", "false", "False")
 
 
 def num_threads() -> int:

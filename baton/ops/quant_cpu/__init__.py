@@ -1,75 +1,52 @@
 """Matmuls and embedding lookups on GGUF-quantized weights kept in their file format, for the CPU (``naive.py``
-holds the formats and the plain-PyTorch references; ``cpu.py`` the fast path).
+holds the formats, the x4 layout they are kept in, and the plain-PyTorch references; ``cpu.py`` the fast path, C
+kernels built once per machine by ``native.py``; ``kernels.c`` also holds the decode step of a Llama layer, which
+baton.models.llama calls).
 
 Everything computes in fp32 from the exact dequantised values (``d * q + m`` of Q4_1, ``d * q`` of Q8_0), so a
-quantized model's logits equal the dequantised fp32 model's to fp32 rounding (tests/ops/test_quant_cpu.py,
-tests/models/test_gguf_quant.py). CPU tensors take ``cpu.py`` (TorchInductor-compiled kernels); if Inductor cannot
-compile here (no C++ compiler), or for other devices, the references run instead (slow, but the same numbers).
+quantized model's logits equal the dequantised fp32 model's to fp32 rounding (tests/ops/test_quant_cpu*.py,
+tests/models/test_gguf_quant.py). CPU tensors take ``cpu.py``; where the kernels cannot be built (no C compiler),
+for other devices, or under autograd, the references run instead (slow, but the same numbers).
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from baton.ops.quant_cpu import naive
-from baton.ops.quant_cpu.naive import (
-    GROUP,
-    dequantize_q4_1,
-    dequantize_q8_0,
-    unpack_q4_1,
-    unpack_q8_0,
-)
+from baton.ops.quant_cpu import naive, native
+from baton.ops.quant_cpu.naive import FORMATS, GROUP, pack, unpack_q4_1, unpack_q8_0, unpack_x4
 
-__all__ = ["GROUP", "dequantize_q4_1", "dequantize_q8_0", "q4_1_embedding", "q4_1_linear", "q8_0_embedding",
-           "q8_0_linear", "unpack_q4_1", "unpack_q8_0"]
-
-log = logging.getLogger(__name__)
-_fast_ok = True  # cleared when Inductor fails once (then every call takes the reference)
+__all__ = ["FORMATS", "GROUP", "dequantize", "embedding", "fast_path_ok", "linear", "pack", "unpack_q4_1",
+           "unpack_q8_0", "unpack_x4"]
 
 
 def fast_path_ok() -> bool:
-    """False once Inductor has failed in this process (then callers take the references)."""
-    return _fast_ok
+    """Whether the C kernels are available in this process (built or loaded; baton.ops.quant_cpu.native)."""
+    return native.lib() is not None
 
 
-def _fast(x: torch.Tensor):
-    if not (_fast_ok and x.device.type == "cpu") or torch.is_grad_enabled() and x.requires_grad:
-        return None
+def _impl(x: torch.Tensor):
+    if x.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad) or not fast_path_ok():
+        return naive
     from baton.ops.quant_cpu import cpu
 
     return cpu
 
 
-def _call(name: str, x: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
-    global _fast_ok
-    impl = _fast(x)
-    if impl is not None:
-        try:
-            return getattr(impl, name)(x, *args)
-        except Exception as e:  # noqa: BLE001 - e.g. no C++ compiler for Inductor: fall back for good
-            _fast_ok = False
-            log.warning("quantized CPU kernels unavailable (%s: %s); using the PyTorch reference",
-                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-    return getattr(naive, name)(x, *args)
+def linear(fmt: str, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] -> fp32 [M, n] = x @ dequantize(fmt, packed, n).T."""
+    return _impl(x).linear(fmt, x, packed, n)
 
 
-def q4_1_linear(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> fp32 [M, N] = x @ dequantize_q4_1(packed, d, m).T; packed uint8 [K/32, 16, N]."""
-    return _call("q4_1_linear", x, packed, d, m)
+def embedding(fmt: str, ids: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Dequantised rows ``ids`` (any shape) -> fp32 [*ids.shape, K] (the embedding lookup)."""
+    return _impl(packed).embedding(fmt, ids, packed, n)
 
 
-def q8_0_linear(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> fp32 [M, N] = x @ dequantize_q8_0(codes, d).T; codes int8 [N, K/32, 32]."""
-    return _call("q8_0_linear", x, codes, d)
+def dequantize(fmt: str, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """-> fp32 [n, K]."""
+    if packed.device.type == "cpu" and fast_path_ok():
+        from baton.ops.quant_cpu import cpu
 
-
-def q8_0_embedding(ids: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """Dequantised rows ``ids`` (any shape) of a Q8_0 matrix -> fp32 [*ids.shape, K] (a gather: eager is enough)."""
-    return naive.q8_0_embedding(ids, codes, d)
-
-
-def q4_1_embedding(ids: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """Dequantised rows ``ids`` (any shape) of a Q4_1 matrix -> fp32 [*ids.shape, K]."""
-    return naive.q4_1_embedding(ids, packed, d, m)
+        return cpu.dequantize_into(fmt, packed, n, torch.empty(n, naive.in_features(fmt, packed)))
+    return naive.dequantize(fmt, packed, n)

@@ -1,80 +1,89 @@
-"""The fast CPU path of the GGUF quantized ops: the references of ``naive.py`` written so that TorchInductor fuses
-each into one vectorised C++ loop (``torch.compile``), still in fp32.
+"""The fast CPU path of the GGUF quantized ops: the C kernels of ``kernels.c`` (built once per machine and loaded
+with ctypes by ``native.py``), still in fp32, on weights in the x4 layout of ``naive.py``.
 
-- GEMV (a few rows, decode): the codes are unpacked, scaled and reduced against x in registers, never written as
-  a weight matrix. Q4_1 sums ``d * (q_lo . x_lo + q_hi . x_hi)`` over each block plus ``m * sum(x_block)``; Q8_0
-  sums ``d * (q . x)``. Same products as ``x @ dequantize(W).T``, summed in another order: equal to fp32 rounding.
-- Many rows (prefill): the matrix is dequantised by one fused kernel into a transient fp32 buffer and multiplied by
-  ``F.linear`` (oneDNN / MKL sgemm); the buffer is freed after the call, so no fp32 copy of the weights lives on.
+- A few rows (decode, verify, drafts: up to ``GEMV_MAX_ROWS``): one kernel dequantises each block of W in registers
+  (the exact fp32 ``d * q + m`` of the reference) and multiplies it by every row of x; W is never written out.
+- More rows (prefill): the kernel dequantises the matrix into a transient fp32 buffer (one per thread, reused) and
+  ``F.linear`` (oneDNN / MKL sgemm) multiplies; no fp32 copy of the weights lives on.
 
-Each (op, shape) compiles once per process (a few seconds; Inductor's on-disk cache makes later processes start
-faster).
+Each function raises when the kernels cannot be built here (``baton.ops.quant_cpu`` checks first).
 """
 
 from __future__ import annotations
 
-import functools
+import threading
 
 import torch
 import torch.nn.functional as F
 
-from baton.ops.quant_cpu.naive import GROUP
+from baton.ops.quant_cpu import naive, native
 
-GEMV_MAX_ROWS = 16  # up to this many rows (decode, verify, drafts) take the GEMV kernels; more: dequantise + sgemm
-
-
-def q4_1_gemv(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x [M, K] -> fp32 [M, N]; traced by Inductor (also inside the fused decoder-layer graphs of
-    baton.models.llama). Rows are the vector lanes: per block, ``s = q_lo . x_lo + q_hi . x_hi`` for 16 rows at once,
-    then ``d * s + m * sum(x_block)``."""
-    b, _, n = packed.shape
-    p = packed.to(torch.int32)  # int32 lanes: Inductor vectorises the nibble shifts on them
-    lo, hi = (p & 15).float(), (p >> 4).float()  # [B, 16, N]
-    xv = x.float().view(-1, b, 2, GROUP // 2)  # [M, B, (lo, hi), 16]
-    s = (lo[None] * xv[:, :, 0, :, None] + hi[None] * xv[:, :, 1, :, None]).sum(2)  # [M, B, N]
-    return (s * d.float()[None]).sum(1) + (m.float()[None] * xv.sum((2, 3))[:, :, None]).sum(1)
+GEMV_MAX_ROWS = 48  # up to this many rows take the register kernels; more: dequantise + sgemm (crossover 48-64)
+_local = threading.local()
 
 
-def q8_0_gemv(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    n, b, _ = codes.shape
-    w = codes.float() * d.float()[..., None]
-    return (w[None] * x.float().view(-1, 1, b, GROUP)).sum((-1, -2))
+def kernels():
+    lib = native.lib()
+    if lib is None:
+        raise RuntimeError(f"quantized CPU kernels unavailable: {native.error()}")
+    native.sync_threads(lib)
+    return lib
 
 
-def _q4_1_dequant(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    q = torch.cat([packed & 15, packed >> 4], dim=1).float()
-    return (q * d.float()[:, None, :] + m.float()[:, None, :]).permute(2, 0, 1).reshape(packed.shape[2], -1)
+def _scratch(numel: int) -> torch.Tensor:
+    """A per-thread fp32 buffer of at least ``numel`` (the dequantised matrix of a prefill matmul)."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _local.buf = torch.empty(numel, dtype=torch.float32)
+    return buf[:numel]
 
 
-def _q8_0_dequant(codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    return (codes.float() * d.float()[..., None]).reshape(codes.shape[0], -1)
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float32).contiguous()
 
 
-_FUNCTIONS = {"q4_1_gemv": q4_1_gemv, "q8_0_gemv": q8_0_gemv, "q4_1_dequant": _q4_1_dequant,
-              "q8_0_dequant": _q8_0_dequant}
+def dequantize_into(fmt: str, packed: torch.Tensor, n: int, out: torch.Tensor) -> torch.Tensor:
+    """out (fp32 [n, K], contiguous) = the dequantised matrix."""
+    lib = kernels()
+    k = naive.in_features(fmt, packed)
+    assert out.dtype == torch.float32 and out.is_contiguous() and out.numel() == n * k
+    fn = lib.bq_q4_1_dequant if fmt == "q4_1" else lib.bq_q8_0_dequant
+    with native.traced(f"quant_cpu::{fmt}_dequant"):
+        fn(packed.data_ptr(), n, k, out.data_ptr())
+    return out
 
 
-def compile_fn(fn):
-    """``torch.compile`` as these kernels use it: static shapes (one entry per weight shape and row count; the
-    default limit of 8 per function is too few for a model's shapes), one whole graph."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(fn, dynamic=False, fullgraph=True)
+def linear(fmt: str, x: torch.Tensor, packed: torch.Tensor, n: int,
+           residual: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] -> fp32 [M, n] = x @ dequantize(...).T (+ residual [M, n], Q4_1 only in the kernel)."""
+    lib = kernels()
+    x = _rows(x)
+    rows, k = x.shape
+    if rows <= GEMV_MAX_ROWS:
+        y = torch.empty(rows, n, dtype=torch.float32)
+        with native.traced(f"quant_cpu::{fmt}_linear"):
+            if fmt == "q4_1":
+                res = None if residual is None else _rows(residual)
+                err = lib.bq_q4_1_linear(x.data_ptr(), rows, k, packed.data_ptr(), n, y.data_ptr(),
+                                         None if res is None else res.data_ptr())
+                residual = None
+            else:
+                err = lib.bq_q8_0_linear(x.data_ptr(), rows, k, packed.data_ptr(), n, y.data_ptr())
+        if err:
+            raise MemoryError("quantized CPU kernel: out of memory")
+    else:
+        y = F.linear(x, dequantize_into(fmt, packed, n, _scratch(n * k).view(n, k)))
+    return y if residual is None else y.add_(residual)
 
 
-@functools.cache
-def _compiled(name: str):
-    return compile_fn(_FUNCTIONS[name])
-
-
-def q4_1_linear(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 -> fp32 [M, N] = x @ dequantize_q4_1(packed, d, m).T."""
-    if x.shape[0] <= GEMV_MAX_ROWS:
-        return _compiled("q4_1_gemv")(x, packed, d, m)
-    return F.linear(x.float(), _compiled("q4_1_dequant")(packed, d, m))
-
-
-def q8_0_linear(x: torch.Tensor, codes: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
-    """x [M, K] fp32 -> fp32 [M, N] = x @ dequantize_q8_0(codes, d).T."""
-    if x.shape[0] <= GEMV_MAX_ROWS:
-        return _compiled("q8_0_gemv")(x, codes, d)
-    return F.linear(x.float(), _compiled("q8_0_dequant")(codes, d))
+def embedding(fmt: str, ids: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Dequantised rows ``ids`` (any shape) -> fp32 [*ids.shape, K] (Q8_0 in the kernel)."""
+    if fmt != "q8_0":
+        return naive.embedding(fmt, ids, packed, n)
+    lib = kernels()
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    k = naive.in_features(fmt, packed)
+    out = torch.empty(flat.numel(), k, dtype=torch.float32)
+    if lib.bq_q8_0_rows(flat.data_ptr(), flat.numel(), packed.data_ptr(), n, k, out.data_ptr()):
+        raise IndexError(f"token id out of range [0, {n})")
+    return out.reshape(*ids.shape, k)
