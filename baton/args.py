@@ -106,4 +106,12 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
     )
     fields = {k: v for k, v in vars(ns).items() if k in ServerArgs.__dataclass_fields__ and k != "spec"}
     args = ServerArgs(**fields, spec=spec)
-    return dataclasses.replace(args, spec=with_shipped_drafts(spec, args.is_embedded, requested))
+    return dataclasses.replace(args, spec=with_shipped_drafts(spec, args.is_embedded, requested,
+                                                              device=_device_type(args.device)))
+
+
+def _device_type(name: str | None) -> str:
+    """The kind of device the engine will take (its default: CUDA when there is one)."""
+    import torch
+
+    return torch.device(name).type if name else ("cuda" if torch.cuda.is_available() else "cpu")

@@ -50,9 +50,11 @@ def shipped_defaults() -> dict:
         return json.load(f)
 
 
-def with_shipped_drafts(spec: SpecConfig, embedded: bool, requested: str | None) -> SpecConfig:
+def with_shipped_drafts(spec: SpecConfig, embedded: bool, requested: str | None,
+                        device: str | None = None) -> SpecConfig:
     """Fill in the shipped drafts for the embedded model. ``requested`` is the raw ``--speculative-algorithm``
-    (None when not given; one of DISABLE turns speculation off)."""
+    (None when not given; one of DISABLE turns speculation off). ``device`` ("cpu", "cuda"): defaults.json's
+    ``by_device`` entry for it overrides the default (on the CPU: plain decoding, where the drafts do not pay)."""
     if requested is not None and requested.lower() in DISABLE:
         return dataclasses.replace(spec, algorithm=None)
     if not embedded or spec.draft_model_path is not None:
@@ -61,7 +63,15 @@ def with_shipped_drafts(spec: SpecConfig, embedded: bool, requested: str | None)
     if spec.algorithm is None:
         if spec.simulate_accept_len is not None:
             return spec
-        algorithm = defaults.get("algorithm")
+        override = defaults.get("by_device", {}).get(device or "")
+        if override is not None and "algorithm" in override:
+            algorithm = override["algorithm"]
+            if algorithm is None:
+                log.info("plain decoding: %s (--speculative-algorithm %s speculates)", override.get("why", ""),
+                         defaults.get("algorithm"))
+                return spec
+        else:
+            algorithm = defaults.get("algorithm")
         if algorithm is None or shipped_draft(algorithm) is None:
             return spec
         spec = dataclasses.replace(spec, algorithm=algorithm)

@@ -76,3 +76,22 @@ def test_sweep_config_repicks_the_shipped_draft(shipped):
     assert nextn.spec.algorithm == "NEXTN" and nextn.spec.draft_model_path == str(shipped / "nextn")
     dspark = SweepConfig("DSPARK", None, 5).apply(base)
     assert dspark.spec.draft_model_path == str(shipped / "dspark") and dspark.spec.num_draft_tokens == 5
+
+
+def test_by_device_default_turns_speculation_off_where_it_does_not_pay(shipped):
+    (shipped / "defaults.json").write_text(json.dumps({"algorithm": "DSPARK", "num_draft_tokens": 9,
+                                                       "by_device": {"cpu": {"algorithm": None, "why": "measured"}}}))
+    assert not _args("--device", "cpu").spec.enabled  # the CPU default: plain decoding
+    named = _args("--device", "cpu", "--speculative-algorithm", "DSPARK").spec
+    assert named.draft_model_path == str(shipped / "dspark")
+    spec = _args("--device", "cuda").spec  # elsewhere: the top-level default
+    assert spec.algorithm == "DSPARK" and spec.num_draft_tokens == 9
+
+
+def test_the_shipped_defaults_say_why_the_cpu_decodes_plainly():
+    from baton.speculative.shipped import shipped_defaults
+
+    cpu = shipped_defaults().get("by_device", {}).get("cpu")
+    if cpu is None:
+        pytest.skip("no shipped defaults in this install")
+    assert cpu["algorithm"] is None and "benchmarks/results" in cpu["why"]
