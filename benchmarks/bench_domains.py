@@ -20,31 +20,22 @@ import dataclasses
 import json
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable (benchmarks.common)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import env_card, save  # noqa: E402
+from benchmarks.common import env_card, save, timed_request  # noqa: E402
 
 CONFIGS = ("plain", "fixed", "adaptive")
 
 
 def _request(engine: Any, ids: list[int], max_new_tokens: int) -> dict:
-    from baton.types import Request, SamplingParams
-
-    sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
-    t0 = time.perf_counter()
-    first, n, verify = None, 0, 0
-    for out in engine.generate(Request(list(ids), sp)):
-        if first is None and out.token_ids:
-            first = time.perf_counter()
-        n += len(out.token_ids)
-        verify = out.num_verify_steps
-    end = time.perf_counter()
-    return {"tokens": n, "verify_steps": verify, "ttft_s": (first or end) - t0, "decode_s": end - (first or end)}
+    r = timed_request(engine, ids, max_new_tokens, ignore_eos=False)
+    ttft_s = r["ttft_ms"] / 1e3
+    return {"tokens": r["output_tokens"], "verify_steps": r["verify_steps"], "ttft_s": ttft_s,
+            "decode_s": r["latency_s"] - ttft_s}
 
 
 def workloads(tokenizer: Any, vocab: int, per_domain: int, gsm8k: str | None, num_random: int,

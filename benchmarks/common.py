@@ -42,12 +42,12 @@ def env_card() -> dict:
     return card
 
 
-def timed_request(engine, prompt_ids: list[int], max_new_tokens: int) -> dict:
-    """One request through Engine.generate: TTFT, TPOT excluding the first token (bench_serving's
-    definition), tokens, verify steps."""
+def timed_request(engine, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = True) -> dict:
+    """One greedy request through Engine.generate: TTFT, TPOT excluding the first token (bench_serving's
+    definition), tokens, verify steps. ``ignore_eos=False`` ends it at EOS, as a user's request would."""
     from baton.types import Request, SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
     t0 = time.perf_counter()
     ttft, n, verify = None, 0, 0
     for out in engine.generate(Request(list(prompt_ids), sp)):
