@@ -2,7 +2,7 @@
 (llama-cpp-python) on the same GGUF file, prompt and token count, in one run.
 
     python -m benchmarks.bench_cpu [--new-tokens 128] [--ttft-prompt-len 512] [--repeats 3] [--dtype auto]
-        [--configs plain,default,llama.cpp] [--threads N | --default-threads] [--json PATH]
+        [--configs plain,default,dspark,llama.cpp] [--threads N | --default-threads] [--json PATH]
     python -m benchmarks.bench_cpu --profile 32 [--dtype auto|float32]   # the per-op profile of decode steps
 
 Threads: ``--threads N`` gives both engines N (llama.cpp's decode and batch threads); without it baton takes
@@ -37,7 +37,10 @@ def baton_engine(config: str, dtype: str, context: int):
     from baton.engine.engine import Engine
     from baton.speculative.shipped import with_shipped_drafts
 
-    spec = with_shipped_drafts(SpecConfig(), embedded=True, requested=None if config == "default" else "none")
+    # default: what `baton generate` runs on a CPU (defaults.json's by_device entry); dspark: the shipped drafter
+    requested = {"default": None, "dspark": "DSPARK"}.get(config, "none")
+    spec = with_shipped_drafts(SpecConfig(algorithm="DSPARK" if config == "dspark" else None), embedded=True,
+                               requested=requested, device="cpu")
     return Engine(ServerArgs(device="cpu", dtype=dtype, context_length=context, spec=spec))
 
 
@@ -156,7 +159,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--ttft-prompt-len", type=int, default=512, help="0 skips the long-prompt TTFT")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="auto", help="baton's --dtype: auto (the GGUF's quantized weights) or float32")
-    ap.add_argument("--configs", default="plain,default,llama.cpp")
+    ap.add_argument("--configs", default="plain,default,llama.cpp",
+                    help="comma list of plain, default (what `baton generate` runs on this CPU), dspark (the shipped "
+                         "DSpark drafter at its shipped depth) and llama.cpp")
     ap.add_argument("--threads", type=int, default=None, help="both engines' threads (default: env.num_threads())")
     ap.add_argument("--default-threads", action="store_true",
                     help="each engine its own default threads (baton: env.num_threads(); llama-cpp-python: its own)")

@@ -1,8 +1,14 @@
-"""Ling-3.0-flash layer shapes with dummy weights on one H200 (as many layers as fit in bf16): decode step
-and 6-token verify step times, the census, and NEXTN (5, 1, 6) TPOT at simulated accept length 3.25 with
-8192 input / 1024 output tokens, batch 1, greedy.
+"""Ling-3.0-flash layer shapes with dummy weights on one H200 (as many layers as fit in bf16): for each mode the
+TPOT and TTFT at 8192 input / 1024 output tokens, batch 1, greedy, the graph times and the census of its step
+(kernels, floor, where the time goes), all modes in one process and one JSON:
+
+- plain: one token a step;
+- nextn: NEXTN (5, 1, 6) at simulated accept length 3.25 (the seed's NEXTN configuration);
+- dspark: a random DSpark draft of block 16 and 2 layers (``baton convert random-draft``) at simulated accept
+  length 9.95 (the seed's DSpark headline configuration): a 17-row verify.
 
     python benchmarks/bench_ling_flash.py [--num-layers 18] [--input-len 8192] [--output-len 1024]
+        [--modes plain,nextn,dspark] [--nextn-accept 3.25] [--dspark-accept 9.95] [--dspark-block-size 16]
     python benchmarks/bench_ling_flash.py --num-layers 42 --quantization fp8     # the whole model on one H200
     python benchmarks/bench_ling_flash.py ... --quantization fp8-experts         # fp8 experts, bf16 dense layers
     python benchmarks/bench_ling_flash.py --num-layers 42 --tp-size 2            # the whole model, bf16, TP2
@@ -32,6 +38,18 @@ def flash_dir() -> str:
     text = resources.files("baton.data").joinpath("ling-3.0-flash.config.json").read_text()
     (d / "config.json").write_text(text)
     return str(d)
+
+
+def random_dspark_draft(path: str, args) -> str:
+    """A random DSpark draft (Markov and confidence heads) for the dummy target at ``path``: the DSpark-shaped
+    mode's drafter, whose accept length is simulated."""
+    from baton.config import load_model_config
+    from baton.models.dspark_checkpoint import write_random_dspark_draft
+
+    target = load_model_config(path, json.dumps({"num_hidden_layers": args.num_layers}))
+    out = str(Path(path) / "dspark-draft")
+    write_random_dspark_draft(target, out, seed=0, block_size=args.dspark_block_size, num_layers=args.dspark_layers)
+    return out
 
 
 def graph_times(engine, repeats: int = 50) -> dict[str, float]:
@@ -129,20 +147,31 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=8192)
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--num-requests", type=int, default=2)
-    p.add_argument("--modes", default="plain,nextn")
+    p.add_argument("--modes", default="plain,nextn,dspark", help="comma list of plain, nextn, dspark")
     p.add_argument("--tp-size", type=int, default=1, help="ranks (one GPU each); the census is rank 0's")
     p.add_argument("--quantization", default=None, choices=["fp8", "fp8-experts"],
                    help="fp8: experts and dense projections in fp8; fp8-experts: the experts only (the whole 42-layer "
                         "model + MTP fits one H200 either way: about 133 GB with fp8 experts and bf16 dense layers)")
     p.add_argument("--enable-fp8-draft-lm-head", action="store_true",
                    help="NEXTN drafts take their logits from an fp8 copy of the lm_head (the verify's unchanged)")
+    p.add_argument("--nextn-accept", type=float, default=3.25, help="nextn: simulated accept length")
+    p.add_argument("--dspark-accept", type=float, default=9.95, help="dspark: simulated accept length")
+    p.add_argument("--dspark-block-size", type=int, default=16, help="dspark: the random draft's block (gamma)")
+    p.add_argument("--dspark-layers", type=int, default=2, help="dspark: the random draft's layers")
     args = p.parse_args()
     path = flash_dir()
+    names = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = sorted(set(names) - {"plain", "nextn", "dspark"})
+    if unknown:
+        p.error(f"--modes: unknown {', '.join(unknown)} (plain, nextn, dspark)")
     modes = {"plain": {}, "nextn": {"algorithm": "NEXTN", "num_steps": 5, "eagle_topk": 1, "num_draft_tokens": 6,
-                                     "simulate_accept_len": 3.25}}
+                                     "simulate_accept_len": args.nextn_accept}}
+    if "dspark" in names:
+        modes["dspark"] = {"algorithm": "DSPARK", "draft_model_path": random_dspark_draft(path, args),
+                           "simulate_accept_len": args.dspark_accept}
     record = {"benchmark": "ling_flash_layers", "env": env_card(), "num_layers": args.num_layers,
               "input_len": args.input_len, "output_len": args.output_len}
-    for name in args.modes.split(","):
+    for name in names:
         record[name] = run_mode(args, path, modes[name])
         print(name, json.dumps({k: v for k, v in record[name].items() if k not in ("runs", "census")}))
     record["quantization"] = args.quantization
@@ -150,7 +179,7 @@ def main() -> None:
     record["fp8_draft_lm_head"] = args.enable_fp8_draft_lm_head
     tp = f"_tp{args.tp_size}" if args.tp_size > 1 else ""
     tp += "_fp8head" if args.enable_fp8_draft_lm_head else ""
-    modes = "" if args.modes == "plain,nextn" else "_" + args.modes.replace(",", "-")
+    modes = "" if names == ["plain", "nextn", "dspark"] else "_" + "-".join(names)
     quant = {None: "", "fp8": "_fp8", "fp8-experts": "_fp8experts"}[args.quantization]
     save(f"ling_flash_{args.num_layers}l{quant}{tp}{modes}", record)
 

@@ -92,16 +92,23 @@ def attribute(kernels: list[tuple[str, float, float]], num_steps: int, top: int 
     per_cat: dict[str, float] = {}
     inclusive: dict[str, float] = {}
     per_name: dict[str, float] = {}
+    count_cat: dict[str, float] = {}
+    count_name: dict[str, float] = {}
     for (name, s, e), x in zip(kernels, shares, strict=True):
         label = classify(name)
         per_cat[label] = per_cat.get(label, 0.0) + x / steps
         inclusive[label] = inclusive.get(label, 0.0) + (e - s) / steps
         per_name[name] = per_name.get(name, 0.0) + x / steps
+        count_cat[label] = count_cat.get(label, 0.0) + 1 / steps
+        count_name[name] = count_name.get(name, 0.0) + 1 / steps
     span = (max(e for _, _, e in kernels) - min(s for _, s, _ in kernels)) / steps if kernels else 0.0
     per_cat["idle"] = max(span - sum(shares) / steps, 0.0)
     top_names = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
+    most = sorted(count_name.items(), key=lambda kv: (-kv[1], kv[0]))[:2 * top]
     return {"per_cat": per_cat, "inclusive": inclusive, "span": span,
-            "top_kernels": [(name[:120], round(us, 2)) for name, us in top_names]}
+            "top_kernels": [(name[:120], round(us, 2)) for name, us in top_names],
+            "count_by_category": {k: round(v, 2) for k, v in sorted(count_cat.items(), key=lambda kv: -kv[1])},
+            "most_launched": [(name[:120], round(n, 2), round(per_name[name], 2)) for name, n in most]}
 
 
 def profile_steps(engine, num_steps: int) -> tuple[dict, float, int]:
@@ -259,6 +266,9 @@ def run_census(engine, input_len: int = 8192, num_steps: int = 50, profile_steps
         "census_us": {k_: round(v, 2) for k_, v in sorted(per_cat.items(), key=lambda kv: -kv[1])},
         "census_us_inclusive": {k_: round(v, 2) for k_, v in sorted(att["inclusive"].items(), key=lambda kv: -kv[1])},
         "top_kernels_us": att["top_kernels"],
+        "kernels_by_category": att["count_by_category"],
+        "most_launched_kernels": att["most_launched"],
+        "num_layers": engine.model_config.num_hidden_layers,
         "distinct_experts_per_layer": experts,
         "bytes_per_step": nbytes,
         "floor_ms": floor_ms,
@@ -286,6 +296,15 @@ def format_census(result: dict) -> str:
     if result.get("top_kernels_us"):
         lines.append("top kernels (exclusive µs per step):")
         lines += [f"  {us:9.1f}  {name}" for name, us in result["top_kernels_us"]]
+    if result.get("kernels_by_category"):
+        lines.append("kernels per step by category: " + ", ".join(
+            f"{label} {n:g}" for label, n in result["kernels_by_category"].items()))
+    if result.get("most_launched_kernels"):
+        layers = result.get("num_layers") or 0
+        per_layer = f" (per layer of {layers})" if layers else ""
+        lines.append(f"most launched kernels (per step{per_layer}, exclusive µs per step):")
+        lines += [f"  {n:7g}" + (f" ({n / layers:5.2f})" if layers else "") + f"  {us:9.1f}  {name}"
+                  for name, n, us in result["most_launched_kernels"]]
     return "\n".join(lines)
 
 

@@ -180,6 +180,10 @@ JOBS: list[Job] = [
     Job("ling-flash-fp8-dense", "the whole model on one GPU with fp8 experts and fp8 dense projections, NEXTN",
         commands=(ling(42, "--quantization fp8 --modes nextn --enable-fp8-draft-lm-head"),),
         gpus=1, limit_s=270, outputs=("ling_flash_*.json",)),
+    Job("ling-flash-fp8-modes", "the whole model on one GPU, fp8 experts + dense, plain, NEXTN (5, 1, 6) at 3.25 "
+                                "and a random DSpark draft (block 16, 2 layers) at 9.95, one process, a census each",
+        commands=(ling(42, "--quantization fp8 --modes plain,nextn,dspark --enable-fp8-draft-lm-head"),),
+        gpus=1, limit_s=560, outputs=("ling_flash_*.json",)),
     Job("ling-flash-tp2", "the whole model in bf16 at TP2, plain and NEXTN, with rank 0's census",
         commands=(ling(42, "--tp-size 2 --modes plain,nextn"),),
         gpus=2, limit_s=300, env={**TP_ENV, "BATON_TP_ALLREDUCE": "auto"}, stop_signal="ABRT",

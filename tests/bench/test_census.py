@@ -34,6 +34,15 @@ def test_attribute_splits_a_pdl_chain_by_category_and_counts_idle():
     assert att["top_kernels"][0] == ("fused_moe_fp8", 20)
 
 
+def test_attribute_counts_launches_per_step_by_category_and_name():
+    step = [("gemv_kernel", 0, 10), ("gemv_kernel", 10, 12), ("fused_moe_fp8", 12, 30), ("copy", 30, 31)]
+    kernels = step + [(n, s + 100, e + 100) for n, s, e in step]
+    att = attribute(kernels, num_steps=2)
+    assert att["count_by_category"] == {"dense GEMM": 2, "MoE GEMM": 1, "router / activation / glue": 1}
+    assert att["most_launched"][0] == ("gemv_kernel", 2, 12)
+    assert sum(n for _, n, _ in att["most_launched"]) == 4
+
+
 def test_classify_names():
     assert classify("ncclDevKernel_AllReduce") == "all-reduce"
     assert classify("fused_moe_direct_kernel") == "MoE GEMM"
