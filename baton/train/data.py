@@ -2,7 +2,8 @@
 
 Prompts come from a GSM8K train jsonl (``--data-path``: the file, or the directory holding train.jsonl) and
 an optional extra prompts file (``--extra-prompts``: a .txt with one prompt per line, or a .jsonl whose rows
-carry ``prompt`` (text), ``question``, ``messages`` (a chat) or ``prompt_ids`` (token ids)). Each prompt is
+carry ``prompt`` (text), ``question``, ``messages`` (a chat) or ``prompt_ids`` (token ids); ``general``: the train
+split of the project's general prompt set, baton/train/prompts.py). Each prompt is
 rendered in one or more formats (``--prompt-formats``):
 
 - ``chat``: the question as one user message through the tokenizer's chat template (no few-shot examples);
@@ -87,7 +88,24 @@ def load_gsm8k(path: str) -> tuple[list[PromptItem], list[dict[str, Any]]]:
     return [PromptItem(f"gsm8k/{i}", "gsm8k", question=r["question"]) for i, r in enumerate(rows)], rows
 
 
+GENERAL = "general"  # --extra-prompts general: the train split of baton/train/prompts.py's general set
+
+
+def load_general() -> list[PromptItem]:
+    """The train split of the project's general prompt set (seven domains beside GSM8K); its held-out split is
+    never trained on (benchmarks/bench_domains.py measures speculation on it)."""
+    from baton.train.prompts import general_prompts
+
+    items = []
+    for i, p in enumerate(general_prompts()):
+        if p.split == "train":
+            items.append(PromptItem(f"{GENERAL}/{p.domain}/{i}", f"{GENERAL}/{p.domain}", messages=p.chat))
+    return items
+
+
 def load_extra(path: str) -> list[PromptItem]:
+    if path == GENERAL:
+        return load_general()
     name = os.path.basename(path)
     if not path.endswith(".jsonl"):
         with open(path, encoding="utf-8") as f:
@@ -233,8 +251,18 @@ def _record(jobs: Jobs, i: int, item: PromptItem, f: int, fmt: str, j: int, st: 
 def _work(jobs: Jobs, shard: tuple[int, int] = (0, 1)) -> list[tuple[int, PromptItem, int, str]]:
     """(prompt index, prompt, format index, format) of every prompt of the shard in every format it takes."""
     index, count = shard
-    return [(i, item, f, fmt) for i, item in enumerate(jobs.items) if i % count == index and item.prompt_id not in
-            jobs.skip for f, fmt in enumerate(jobs.formats[:1] if item.ids is not None else jobs.formats)]
+    return [(i, item, f, jobs.formats[f]) for i, item in enumerate(jobs.items)
+            if i % count == index and item.prompt_id not in jobs.skip for f in _format_indices(jobs.formats, item)]
+
+
+def _format_indices(formats: list[str], item: PromptItem) -> list[int]:
+    """Every format for a question; one for token ids (the first) and for a chat (``chat`` when asked for, else the
+    first): those render the same whatever the format."""
+    if item.ids is not None:
+        return [0]
+    if item.messages is not None:
+        return [formats.index("chat") if "chat" in formats else 0]
+    return list(range(len(formats)))
 
 
 def _warn_skipped(skipped: int) -> None:

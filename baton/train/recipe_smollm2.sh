@@ -12,6 +12,7 @@
 #   SHIP=1 ...                                                    # copy the drafts into baton/drafts (the default)
 #   DATA_BUDGET=270 TRAIN_BUDGET=300 ...                          # seconds: cut generation / each training run to fit
 #   REUSE_DATA=1 ...                                              # keep an existing OUT/data/gsm8k.jsonl (no step 1)
+#   EXTRA=none ...                                                # GSM8K only (default: + the general prompt set)
 #   DSPARK_MORE="b:850 b:800:data dp:800:data" ...                # DSpark trained further in stages (below)
 #
 # The shipped sizes (NEXTN one layer; DSpark one layer, block 16, Markov rank 16, taps 1,27; both bf16) keep
@@ -33,6 +34,8 @@ MAX_NEW=${MAX_NEW:-384}
 # learning-rate schedule) to fit; unset = the full NUM_PROMPTS and EPOCHS
 DATA_BUDGET=(${DATA_BUDGET:+--time-budget "$DATA_BUDGET"})
 TRAIN_BUDGET=(${TRAIN_BUDGET:+--time-budget "$TRAIN_BUDGET"})
+EXTRA=${EXTRA:-general}
+EXTRA_PROMPTS=(); [ "$EXTRA" != none ] && EXTRA_PROMPTS=(--extra-prompts "$EXTRA")
 DATA=$OUT/data/gsm8k.jsonl
 HOLD=$OUT/data/gsm8k.holdout.jsonl
 EVAL_PROMPTS=${EVAL_PROMPTS:-32}
@@ -53,10 +56,12 @@ t0=$SECONDS
 stamp() { echo "[recipe] $1 done at $((SECONDS - t0)) s"; }
 
 # 1. data: chat and 5-shot prompts (the format `baton eval gsm8k` sends), greedy + sampled at T 0.7; batched
-#    generation through transformers with the target's own weights
+#    generation through transformers with the target's own weights; plus the train split of the general prompt
+#    set (baton/train/prompts.py: writing, explanation, code, summarisation, lists, translation, multi-turn chat;
+#    EXTRA=none leaves it out), whose held-out split benchmarks/bench_domains.py measures on
 if [ -s "$DATA" ] && [ "${REUSE_DATA:-0}" = 1 ]; then echo "[recipe] reusing $DATA"; else
 on "$V0" baton train data --data-path "$GSM8K" --num-prompts "$NUM_PROMPTS" --prompt-formats chat,fewshot \
-    --temperatures 0,0.7 --top-p 0.95 --max-new-tokens "$MAX_NEW" --holdout-frac 0.02 --data-seed 0 \
+    "${EXTRA_PROMPTS[@]}" --temperatures 0,0.7 --top-p 0.95 --max-new-tokens "$MAX_NEW" --holdout-frac 0.02 --data-seed 0 \
     --backend hf --gen-batch-size "$GEN_BATCH" --device "$D" --output "$DATA" "${DATA_BUDGET[@]}"
 fi
 stamp data
