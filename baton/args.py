@@ -38,6 +38,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "fp8 e4m3 with 128x128 block scales, quantised at load from a bf16 checkpoint (fp8 checkpoints "
                         "are detected from their quantization_config); the lm_head, embeddings and router stay in the "
                         "model dtype. fp8-experts: the routed experts only")
+    g.add_argument("--fp8-activation-scheme", default=None, choices=["dynamic", "none"],
+                   help="fp8 weights: dynamic multiplies them with activations quantised to e4m3 per token and 128 "
+                        "channels at run time (w8a8, fp8 tensor-core MMAs; what SGLang and vLLM run for block-fp8 "
+                        "checkpoints); none keeps the activations in the model dtype (w8a16). Default: an fp8 "
+                        "checkpoint's own activation_scheme, else none")
     g.add_argument("--enable-fp32-lm-head", action="store_true",
                    help="compute logits with an fp32 copy of the lm_head (default: the model dtype)")
     g.add_argument("--enable-fp8-draft-lm-head", action="store_true",

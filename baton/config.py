@@ -169,6 +169,13 @@ class LingConfig:
         return self.fp8_experts and bool(self.quantization_config.get("baton_fp8_dense", True))
 
     @property
+    def fp8_activations(self) -> bool:
+        """fp8 weights multiplied with fp8 activations (w8a8): the rows quantised to e4m3 per (token, 128 channels)
+        at run time, as ``quantization_config["activation_scheme"] == "dynamic"`` asks (an fp8 checkpoint's own
+        setting, or ``--fp8-activation-scheme``). Otherwise the weights alone are fp8 (w8a16)."""
+        return self.fp8_experts and (self.quantization_config or {}).get("activation_scheme") == "dynamic"
+
+    @property
     def mla_layer_ids(self) -> list[int]:
         return [i for i in range(self.num_hidden_layers) if self.is_mla_layer(i)]
 
@@ -224,6 +231,11 @@ SPEC_ALGORITHMS = ("NEXTN", "EAGLE", "DSPARK", "DFLASH")
 # --quantization: "fp8" = routed experts and dense projections in fp8 (e4m3, 128 x 128 block scales); "fp8-experts" =
 # the routed experts only (dense layers in the model dtype).
 QUANTIZATION_METHODS = ("fp8", "fp8-experts")
+# --fp8-activation-scheme: "dynamic" = activations quantised to e4m3 per (token, 128 channels) at run time (w8a8, the
+# numerics SGLang and vLLM give a block-fp8 checkpoint whose quantization_config says activation_scheme "dynamic");
+# "none" = weight-only fp8 (w8a16). Unset: an fp8 checkpoint's own setting, else DEFAULT_FP8_ACTIVATION_SCHEME.
+FP8_ACTIVATION_SCHEMES = ("dynamic", "none")
+DEFAULT_FP8_ACTIVATION_SCHEME = "none"
 
 
 @dataclass
@@ -309,6 +321,7 @@ class ServerArgs:
     enable_fp32_router: bool = False  # keep the MoE router gate in fp32 (default: the model dtype)
     enable_fp8_draft_lm_head: bool = False  # drafts' logits from an fp8 copy of the lm_head (the verify's unchanged)
     quantization: str | None = None  # QUANTIZATION_METHODS: "fp8" experts + dense, "fp8-experts" (quantised at load)
+    fp8_activation_scheme: str | None = None  # FP8_ACTIVATION_SCHEMES; None: the checkpoint's, else the default
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     @property

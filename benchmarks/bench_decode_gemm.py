@@ -23,6 +23,12 @@ Implementations (``impl`` in the rows):
 - ``scaled_mm``: fp8 only, ``torch._scaled_mm`` with 1x128 activation scales and the weight's 128x128 scales (the
   GEMM alone: the activation quantisation is done outside the timed graph; no fusions; not for row-mapped weights).
 - ``tune:<config>``: ``--tune``'s candidates (``baton.ops.linear.triton.LinearConfig``).
+- ``w8a8`` (fp8 only): the production dispatch with ``act_fp8=True`` (the rows quantised to e4m3 per 128 columns in
+  the prologue, fp8 x fp8 MMAs; the fp8 table's ``"act": "fp8"`` entries); checked against the same fp32 reference
+  (unquantised activations) with the tolerance of fp8 activations (6e-2). ``tune8:<config>``: its candidates.
+
+``--tune-w8a8`` sweeps the w8a8 swap-form configs alone (M = 1 and 12 every candidate, M = 4, 6, 17 the best few);
+with ``--write-table`` its winners become the fp8 table's w8a8 entries (kinds m1, m4 .. m32), every other entry kept.
 
 ``--tune`` sweeps configs per (shape, row bucket): M = 1 (the GEMV form), M = 12 (the swap-AB ``tl.dot`` form and
 the older forms), then M = 4, 6 and 17 on the best of those; compiles run first in worker processes (Triton's
@@ -62,7 +68,7 @@ MIN_CALLS = 20  # calls per graph replay
 REPS = 10
 MS = (1, 2, 4, 6, 9, 12, 17)
 EPS = 1e-6
-TOL = {"bf16": 1e-2, "scaled_mm": 6e-2}
+TOL = {"bf16": 1e-2, "scaled_mm": 6e-2, "w8a8": 6e-2}
 
 
 @dataclass(frozen=True)
@@ -178,6 +184,46 @@ def swap_candidates(s: Shape, fp8: bool) -> list:
                 out.append(_cfg(block_n=bn, block_k=bk, split_k=_fill(nb, s.k, bk, target), num_warps=4,
                                 num_stages=st, dot=True, swap=True, f16=f16))
     return list(dict.fromkeys(out))
+
+
+def _balanced_splits(n_blocks: int, k: int, block_k: int = 128, most: int = 16) -> list[int]:
+    """The K splits whose program count fills whole waves best, for one and for two resident programs per SM
+    (programs / (waves x slots), ties to the smaller split): the last wave of a grid barely over a multiple of the
+    SMs is what a split can even out."""
+    def eff(s: int, slots: int) -> float:
+        progs = n_blocks * s
+        return progs / (math.ceil(progs / slots) * slots)
+
+    splits = range(1, max(1, min(most, k // block_k)) + 1)
+    return [max(splits, key=lambda s: (round(eff(s, slots), 3), -s)) for slots in (132, 264)]
+
+
+def w8a8_candidates(s: Shape, m17: bool = False) -> list:
+    """w8a8: the swap form with BLOCK_K one activation group (128); 32..512 columns, loads pipelined 1 (register
+    look-ahead) to 4 deep, 4 or 8 warps; K split to about one, two or four programs per SM, and the splits that fill
+    whole waves best (``_balanced_splits``). ``m17``: the few tried at M = 17 (rows padded to 32: a compile of its
+    own)."""
+    rpc = 2 if s.swiglu else 1
+    tiles = [(64, 4, 4), (64, 3, 4), (128, 4, 4), (128, 4, 8), (128, 3, 8), (256, 3, 8), (256, 4, 8), (256, 2, 8),
+             (512, 2, 8), (32, 4, 4), (64, 1, 4), (128, 2, 8)]
+    if m17:
+        tiles = [(64, 4, 4), (128, 4, 4), (128, 3, 8), (256, 3, 8), (32, 4, 4), (64, 1, 4)]
+    out = [] if not m17 else [_a8_default(s)]
+    for bn, st, nw in tiles:
+        if st * (bn * 128 * rpc + 32 * 128 * 2) > 200 * 1024:
+            continue
+        nb = math.ceil(s.n_out / bn)
+        splits = [_fill(nb, s.k, 128, t) for t in ((264,) if m17 else (132, 264, 528))] + _balanced_splits(nb, s.k)
+        for split in splits:
+            out.append(_cfg(block_n=bn, block_k=128, split_k=split, num_warps=nw, num_stages=st, dot=True,
+                            swap=True))
+    return list(dict.fromkeys(out))
+
+
+def _a8_default(s: Shape):
+    from baton.ops.linear import triton as lt
+
+    return lt._act8_heuristic(2, s.n_out, s.k, s.swiglu)
 
 
 def legacy_candidates(s: Shape, fp8: bool, old_table: dict) -> list:
@@ -321,6 +367,14 @@ def impl_fn(impl: str, s: Shape, inp: dict, fp8: bool, mods: dict, cfg=None) -> 
         if s.swiglu:
             return lambda w: lambda: ops.linear_swiglu(x, w, nw, EPS, lim)
         return lambda w: lambda: ops.linear(x, w, nw, EPS, res)
+    if impl == "w8a8":
+        if s.swiglu:
+            return lambda w: lambda: fp8_ops.fp8_dense_linear_swiglu(x, *w, nw, EPS, lim, act_fp8=True)
+        return lambda w: lambda: fp8_ops.fp8_dense_linear(x, *w, nw, EPS, res, act_fp8=True)
+    if impl == "tune8":
+        from baton.ops.fp8_linear import triton as ft
+
+        return lambda w: lambda: ft.fp8_dense(x, *w, nw, EPS, res, s.swiglu, lim, config=cfg, act_fp8=True)
     if impl == "torch":
         if fp8:
             if s.swiglu:
@@ -433,7 +487,7 @@ def measure(impl: str, s: Shape, m: int, fp8: bool, w: Weights, inp: dict, ref: 
     from baton.ops.quant import dequantize_fp8_rows
 
     row = {"shape": s.name, "N": s.n, "N_out": s.n_out, "K": s.k, "M": m, "dtype": "fp8" if fp8 else "bf16",
-           "impl": impl if cfg is None else f"tune:{cfg_name(cfg)}"}
+           "impl": impl if cfg is None else f"{impl}:{cfg_name(cfg)}"}
     nbytes = w.bytes_fp8 if fp8 else w.bytes_bf16
     floor_us = nbytes / BANDWIDTH * 1e6
     row.update(bytes=nbytes, floor_us=round(floor_us, 3))
@@ -452,7 +506,8 @@ def measure(impl: str, s: Shape, m: int, fp8: bool, w: Weights, inp: dict, ref: 
             ref = inp["x"].float() @ dequantize_fp8_rows(q, sc, rb, torch.float32).t()
         if impl != "cublas":
             err = rel_err(out.float(), ref)
-            tol = TOL["scaled_mm"] if impl == "scaled_mm" else TOL["bf16"]
+            tol = TOL["scaled_mm"] if impl == "scaled_mm" else TOL["w8a8"] if impl in ("w8a8", "tune8") \
+                else TOL["bf16"]
             row.update(err=float(f"{err:.3g}"), ok=err < tol)
             if not err < tol:
                 row["error"] = f"error {err:.3g} over {tol}"
@@ -542,6 +597,8 @@ class Plan:
     swap: list
     legacy: list
     rows: list
+    w8a8: list = dataclasses.field(default_factory=list)
+    w8a8_m17: list = dataclasses.field(default_factory=list)
 
 
 def _old_table(path: Path) -> dict:
@@ -550,7 +607,8 @@ def _old_table(path: Path) -> dict:
     return {(e["kind"], e["n_out"], e["k"], e["swiglu"]): e["config"] for e in json.loads(path.read_text())["entries"]}
 
 
-def make_plans(shapes: list[Shape], dtypes: list[str], tune: bool, baseline: str | None) -> list[Plan]:
+def make_plans(shapes: list[Shape], dtypes: list[str], tune: bool, baseline: str | None,
+               tune_w8a8: bool = False) -> list[Plan]:
     old = _old_table(Path(baseline) / "tuned" / "nvidia-h200.json") if baseline else {}
     plans = []
     for s in shapes:
@@ -558,11 +616,13 @@ def make_plans(shapes: list[Shape], dtypes: list[str], tune: bool, baseline: str
             fp8 = dt == "fp8"
             if fp8 and not s.fp8:
                 continue
+            a8 = w8a8_candidates(s) if tune_w8a8 and fp8 else []
+            a8_17 = w8a8_candidates(s, m17=True) if tune_w8a8 and fp8 else []
             if tune:
                 plans.append(Plan(s, fp8, gemv_candidates(s, fp8, old), swap_candidates(s, fp8),
-                                  legacy_candidates(s, fp8, old), rows_candidates(s, fp8)))
+                                  legacy_candidates(s, fp8, old), rows_candidates(s, fp8), a8, a8_17))
             else:
-                plans.append(Plan(s, fp8, [], [], [], []))
+                plans.append(Plan(s, fp8, [], [], [], [], a8, a8_17))
     return plans
 
 
@@ -575,7 +635,12 @@ def compile_jobs(p: Plan, ms: tuple[int, ...], baseline: bool) -> list[tuple[int
         jobs += [(m, "tune", dataclasses.asdict(c)) for c in p.swap + p.legacy]
     for m in (2, 4):
         jobs += [(m, "tune", dataclasses.asdict(c)) for c in p.rows]
+    for m in (1, 12):  # w8a8: rows padded to 16 (M = 1 is a compile of its own: Triton specialises 1)
+        jobs += [(m, "tune8", dataclasses.asdict(c)) for c in p.w8a8]
+    jobs += [(17, "tune8", dataclasses.asdict(c)) for c in p.w8a8_m17]  # rows padded to 32
     jobs += [(m, "baton", None) for m in ms]  # the current tables' configs (and the bucket rules)
+    if p.fp8:
+        jobs += [(m, "w8a8", None) for m in ms]
     return jobs
 
 
@@ -618,6 +683,60 @@ def tune_plan(p: Plan, w: Weights, mods: dict, out_rows: list, deadline: float) 
     pick("m4", run(4, top + p.rows))
     pick("m32", run(17, [_cfg(**r["config"]) for r in ranked[:8]]))
     return winners
+
+
+def tune_w8a8(p: Plan, w: Weights, mods: dict, out_rows: list, deadline: float) -> dict[str, dict]:
+    """w8a8: the best row per kind ("m1", "m4", "m8", "m16", "m32"): every candidate at M = 1 and 12, the best
+    five of M = 12 at M = 4 and 6, ``p.w8a8_m17`` at 17."""
+    s = p.shape
+    winners: dict[str, dict] = {}
+
+    def run(m, cfgs):
+        inp = make_inputs(s, m, "cuda", 3000 + m)
+        ref = reference(s, inp, w, True)
+        rows = []
+        for c in cfgs:
+            if time.time() > deadline:
+                break
+            rows.append(measure("tune8", s, m, True, w, inp, ref, mods, c))
+        for r in rows:
+            r["phase"] = "tune8"
+        out_rows.extend(rows)
+        best = _best(rows)
+        return rows, best
+
+    for kind, m in (("m1", 1), ("m16", 12)):
+        rows, best = run(m, p.w8a8)
+        if best is not None:
+            winners[kind] = best
+        if m == 12:
+            ranked = [_cfg(**r["config"]) for r in sorted((r for r in rows if "us" in r), key=lambda r: r["us"])]
+    for kind, m, top in (("m4", 4, ranked[:5]), ("m8", 6, ranked[:5]), ("m32", 17, p.w8a8_m17)):
+        _, best = run(m, top)
+        if best is not None:
+            winners[kind] = best
+    return winners
+
+
+def write_w8a8_table(winners: dict, device_name: str) -> str:
+    """The w8a8 winners into the fp8 table as ``"act": "fp8"`` entries: those of a tuned (n_out, k, swiglu) are
+    replaced, every other entry (w8a16 ones included) stays."""
+    from baton.ops.linear import triton as lt
+
+    path = lt.table_path(device_name, lt.TUNED_FP8_DIR)
+    data = json.loads(path.read_text()) if path.is_file() else {"entries": []}
+    mine = {(k[0], k[1], k[2]) for k in winners}
+    entries = [e for e in data["entries"] if e.get("act") != "fp8" or (e["n_out"], e["k"], e["swiglu"]) not in mine]
+    for (n_out, k, swiglu, kind), row in sorted(winners.items(), key=lambda kv: str(kv[0])):
+        entries.append({"kind": kind, "n_out": n_out, "k": k, "swiglu": swiglu, "act": "fp8", "config": row["config"],
+                        "us": row["us"], "tbps": row["tbps"], "m": row["M"], "shape": row["shape"]})
+    data.update(entries=entries, w8a8_written_by="benchmarks/bench_decode_gemm.py --tune-w8a8 --write-table",
+                w8a8_torch=torch.__version__, w8a8_triton=_triton_version())
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+    lt._device_table.cache_clear()
+    return str(path)
 
 
 def write_tables(winners: dict, device_name: str) -> list[str]:
@@ -666,21 +785,23 @@ def final_rows(p: Plan, w: Weights, mods: dict, ms: tuple[int, ...], impls: list
                 continue
             if impl == "before" and "before" not in mods:
                 continue
+            if impl == "w8a8" and not p.fp8:
+                continue
             r = measure(impl, p.shape, m, p.fp8, w, inp, ref, mods)
-            if impl == "baton":
-                r["config"] = _picked(p, m)
+            if impl in ("baton", "w8a8"):
+                r["config"] = _picked(p, m, impl == "w8a8")
             r["phase"] = "final"
             rows.append(r)
     return rows
 
 
-def _picked(p: Plan, m: int) -> str:
+def _picked(p: Plan, m: int, act_fp8: bool = False) -> str:
     from baton.ops.linear import triton as lt
 
     limit = lt.MAX_M
     if m > limit:
         return "reference (M past the kernel's rows)"
-    c = lt.pick_config(m, p.shape.n_out, p.shape.k, p.shape.swiglu, p.fp8)
+    c = lt.pick_config(m, p.shape.n_out, p.shape.k, p.shape.swiglu, p.fp8, act_fp8)
     return "cublas (reference path)" if c.cublas else cfg_name(c)
 
 
@@ -707,6 +828,29 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary_w8a8(rows: list[dict]) -> str:
+    """fp8 shapes: w8a16 (``baton``) / w8a8 / cuBLAS on the bf16 weight, per M: µs, TB/s, x floor, error."""
+    final = {(r["shape"], r["M"], r["impl"]): r for r in rows if r.get("phase") == "final" and r["dtype"] == "fp8"}
+    lines = ["| shape | M | floor us | w8a16 us / TB/s / x floor | w8a8 us / TB/s / x floor | w8a8 vs w8a16 | "
+             "cuBLAS bf16 us | err w8a16 | err w8a8 | w8a8 config |", "| --- " * 10 + "|"]
+
+    def cell(r):
+        if r is None:
+            return "-"
+        if "us" not in r:
+            return f"error: {r.get('error', '?')[:40]}"
+        return f"{r['us']:.2f} / {r['tbps']:.2f} / {r['x_floor']:.2f}x"
+    order = [s.name for s in SHAPES]
+    for shape, m in sorted({(k[0], k[1]) for k in final}, key=lambda k: (order.index(k[0]), k[1])):
+        a16, a8, cu = (final.get((shape, m, i)) for i in ("baton", "w8a8", "cublas"))
+        fl = next((r["floor_us"] for r in (a16, a8) if r), 0)
+        sp = f"{a16['us'] / a8['us']:.2f}x" if a16 and a8 and "us" in a16 and "us" in a8 else "-"
+        lines.append(f"| {shape} | {m} | {fl:.2f} | {cell(a16)} | {cell(a8)} | {sp} | "
+                     f"{cu['us'] if cu and 'us' in cu else '-'} | {a16.get('err', '-') if a16 else '-'} | "
+                     f"{a8.get('err', '-') if a8 else '-'} | {a8.get('config', '-') if a8 else '-'} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default="decode_gemm.json", help="rows out")
@@ -718,12 +862,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--baseline", default=None, help="dir with linear_triton.py, fp8_triton.py, tuned/ to time too")
     ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop tuning (keep what was found) after this")
+    ap.add_argument("--tune-w8a8", action="store_true", help="sweep the w8a8 (act_fp8) configs of the fp8 shapes")
+    ap.add_argument("--impls", nargs="+", default=["before", "baton", "cublas", "torch", "scaled_mm", "w8a8"],
+                    help="the implementations of the final rows")
     args = ap.parse_args(argv)
     t0 = time.time()
     deadline = t0 + args.budget_s
     ms = tuple(args.m)
     shapes = [SHAPE_BY_NAME[n] for n in args.shapes]
-    plans = make_plans(shapes, args.dtypes, args.tune, args.baseline)
+    plans = make_plans(shapes, args.dtypes, args.tune, args.baseline, args.tune_w8a8)
     mods = _load_baseline(args.baseline)
     rows: list[dict] = []
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version(),
@@ -749,7 +896,8 @@ def main(argv: list[str] | None = None) -> None:
             futures[(p.shape.name, p.fp8)] = [pool.submit(_compile_group, p.shape.name, p.fp8, jobs[i:i + step])
                                               for i in range(0, len(jobs), step)]
     winners: dict = {}
-    impls = ["before", "baton", "cublas", "torch", "scaled_mm"]
+    winners8: dict = {}
+    impls = list(args.impls)
     for p in plans:
         tag = f"{p.shape.name}/{'fp8' if p.fp8 else 'bf16'}"
         t = time.time()
@@ -769,6 +917,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"[{time.time() - t0:6.1f}s] {tag}: " + ", ".join(
                 f"{k} {r['impl'].removeprefix('tune:')} {r['us']:.2f}us {r['tbps']:.2f}TB/s" for k, r in best.items()),
                 flush=True)
+        if args.tune_w8a8 and p.w8a8 and time.time() < deadline:
+            best = tune_w8a8(p, w, mods, rows, deadline)
+            for kind, r in best.items():
+                winners8[(p.shape.n_out, p.shape.k, p.shape.swiglu, kind)] = r
+            print(f"[{time.time() - t0:6.1f}s] {tag} w8a8: " + ", ".join(
+                f"{k} {r['impl'].removeprefix('tune8:')} {r['us']:.2f}us {r['tbps']:.2f}TB/s"
+                for k, r in best.items()), flush=True)
         if not args.write_table:
             rows.extend(final_rows(p, w, mods, ms, impls))
         del w
@@ -776,8 +931,10 @@ def main(argv: list[str] | None = None) -> None:
         dump()
     if pool is not None:
         pool.shutdown(wait=False, cancel_futures=True)
-    if args.write_table and winners:
-        written = write_tables(winners, torch.cuda.get_device_name())
+    if args.write_table and (winners or winners8):
+        written = write_tables(winners, torch.cuda.get_device_name()) if winners else []
+        if winners8:
+            written.append(write_w8a8_table(winners8, torch.cuda.get_device_name()))
         print(f"[{time.time() - t0:6.1f}s] tables: {written}", flush=True)
         for p in plans:
             w = make_weights(p.shape, "cuda", p.fp8)
@@ -787,6 +944,8 @@ def main(argv: list[str] | None = None) -> None:
             dump()
     dump()
     print(summary(rows), flush=True)
+    if "w8a8" in impls:
+        print(summary_w8a8(rows), flush=True)
     print(f"[{time.time() - t0:6.1f}s] done: {len(rows)} rows in {args.json}", flush=True)
 
 

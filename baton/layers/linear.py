@@ -70,6 +70,7 @@ class Linear(nn.Linear):
         """``rows``: the row parts (checkpoint tensors) of a fused weight, each quantised on its own under fp8."""
         super().__init__(in_features, out_features, bias=False, device="meta" if fp8 else device, dtype=dtype)
         self.fp8 = fp8
+        self.act_fp8 = False  # fp8: w8a8 (the rows quantised per token and 128 columns; models/build.py sets it)
         if fp8:
             rows = rows or [out_features]
             self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=FP8_DTYPE),
@@ -99,7 +100,7 @@ class Linear(nn.Linear):
             return qweight.linear(x, norm_weight, eps, residual)
         if self.fp8:
             return fp8_dense_linear(x, self.weight, self.weight_scale_inv, self.weight_row_block, norm_weight, eps,
-                                    residual)
+                                    residual, act_fp8=self.act_fp8)
         return linear(x, self.weight, norm_weight, eps, residual)
 
     def linear_swiglu(self, x: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
@@ -110,7 +111,7 @@ class Linear(nn.Linear):
             return swiglu(qweight.linear(x, norm_weight, eps), limit)
         if self.fp8:
             return fp8_dense_linear_swiglu(x, self.weight, self.weight_scale_inv, self.weight_row_block, norm_weight,
-                                           eps, limit)
+                                           eps, limit, act_fp8=self.act_fp8)
         return linear_swiglu(x, self.weight, norm_weight, eps, limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,7 +120,7 @@ class Linear(nn.Linear):
         return super().forward(x)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + (", fp8" if self.fp8 else "")
+        return super().extra_repr() + (", fp8" if self.fp8 else "") + (" w8a8" if self.act_fp8 else "")
 
 
 def _fp8_row_splits(parts: list[tuple[str, int, Shard | None]]) -> list[tuple[str, int, Shard | None]]:

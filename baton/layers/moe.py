@@ -47,6 +47,7 @@ class Experts(nn.Module):
         full_inter = inter
         inter = shard_count(inter, "moe_intermediate_size")
         self.fp8 = fp8
+        self.act_fp8 = False  # fp8: w8a8 (activations quantised per token and 128 channels; models/build.py sets it)
         wdtype = FP8_DTYPE if fp8 else dtype
         grad = not fp8  # fp8 tensors cannot require grad
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, device=device, dtype=wdtype), grad)
@@ -112,7 +113,7 @@ class SparseMoE(nn.Module):
         shared = self.shared_experts(h) if self.shared_experts is not None else None
         y = moe_experts(h, self.experts.w13, self.experts.w2, topk_ids, topk_weights, self.expert_limit,
                         residual=residual, shared_out=shared, w13_scale=self.experts.w13_scale,
-                        w2_scale=self.experts.w2_scale)
+                        w2_scale=self.experts.w2_scale, act_fp8=self.experts.act_fp8)
         return y.to(x.dtype)
 
     def _forward_tp(self, x, h, topk_ids, topk_weights, residual) -> torch.Tensor:
@@ -120,5 +121,6 @@ class SparseMoE(nn.Module):
         shared = self.shared_experts(h, reduce=False) if self.shared_experts is not None else None
         y = moe_experts(h, self.experts.w13, self.experts.w2, topk_ids, topk_weights, self.expert_limit,
                         residual=residual if dist.tp_rank() == 0 else None, shared_out=shared,
-                        w13_scale=self.experts.w13_scale, w2_scale=self.experts.w2_scale)
+                        w13_scale=self.experts.w13_scale, w2_scale=self.experts.w2_scale,
+                        act_fp8=self.experts.act_fp8)
         return dist.all_reduce(y.to(x.dtype))

@@ -74,8 +74,10 @@ def build_target(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> 
     if not os.path.isdir(path):
         raise ConfigError(f"--model-path {path}: not a directory or a .gguf file")
     cfg = load_model_config(path, args.json_model_override_args)
-    apply_quantization(cfg, args.quantization)
+    apply_quantization(cfg, args.quantization, args.fp8_activation_scheme)
     model = build_model(cfg, device, dtype)
+    if isinstance(cfg, LingConfig) and cfg.fp8_activations:
+        set_fp8_activations(model)
     if args.load_format == "dummy":
         init_dummy(model, cfg, args.seed, dtype)
     else:
@@ -202,22 +204,47 @@ def _materialize_rest(model: CausalLM, device: torch.device) -> None:
     model.eval()
 
 
-def apply_quantization(cfg: ModelConfig, quantization: str | None) -> None:
+def apply_quantization(cfg: ModelConfig, quantization: str | None, activation_scheme: str | None = None) -> None:
     """``--quantization fp8``: routed experts and dense projections in fp8 e4m3 with 128 x 128 block scales
     (quantised at load from a bf16 checkpoint, or drawn so for dummy weights); ``fp8-experts``: the routed experts
     only. Router, embeddings and lm_head stay in the model dtype (``LingConfig.fp8_dense`` lists what else does). An
-    fp8 checkpoint's own quantization_config is kept (its block size is checked); only the dense choice is set."""
-    from baton.config import QUANTIZATION_METHODS
+    fp8 checkpoint's own quantization_config is kept (its block size is checked); only the dense choice is set.
 
+    ``activation_scheme`` (``--fp8-activation-scheme``): "dynamic" (w8a8) or "none" (w8a16) for the fp8 weights;
+    None keeps an fp8 checkpoint's own ``activation_scheme`` and gives at-load quantisation the default."""
+    from baton.config import DEFAULT_FP8_ACTIVATION_SCHEME, FP8_ACTIVATION_SCHEMES, QUANTIZATION_METHODS
+
+    if activation_scheme is not None and activation_scheme not in FP8_ACTIVATION_SCHEMES:
+        raise ConfigError(f"--fp8-activation-scheme {activation_scheme}: choose one of "
+                          f"{', '.join(FP8_ACTIVATION_SCHEMES)}")
     if quantization is None:
+        if activation_scheme is not None and isinstance(cfg, LingConfig) and cfg.fp8_experts:
+            cfg.quantization_config = {**cfg.quantization_config, "activation_scheme": activation_scheme}
         return
     if quantization not in QUANTIZATION_METHODS:
         raise ConfigError(f"--quantization {quantization}: choose one of {', '.join(QUANTIZATION_METHODS)}")
     if not isinstance(cfg, LingConfig):
         raise ConfigError(f"--quantization {quantization} quantises MoE experts; this model has none")
-    q = dict(cfg.quantization_config or {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    q = dict(cfg.quantization_config or {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                         "activation_scheme": DEFAULT_FP8_ACTIVATION_SCHEME})
     q["baton_fp8_dense"] = quantization == "fp8"
+    if activation_scheme is not None:
+        q["activation_scheme"] = activation_scheme
     cfg.quantization_config = q
+
+
+def set_fp8_activations(model: torch.nn.Module, on: bool = True) -> int:
+    """Every fp8 dense projection and fp8 expert stack of ``model`` multiplies with fp8 activations (w8a8,
+    ``act_fp8`` of baton.ops.fp8_linear / baton.ops.moe) when ``on``; returns how many modules it set."""
+    from baton.layers.linear import Linear
+    from baton.layers.moe import Experts
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, Linear | Experts) and m.fp8:
+            m.act_fp8 = on
+            n += 1
+    return n
 
 
 def _ignored_prefixes(cfg: ModelConfig) -> tuple[str, ...]:

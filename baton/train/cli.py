@@ -493,9 +493,10 @@ def _add_data(tsub: Any) -> None:
                         description=data.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data")
     g.add_argument("--data-path", default=None, help="GSM8K train.jsonl, or the directory holding it")
-    g.add_argument("--extra-prompts", default=None, help="more prompts: .txt (one per line) or .jsonl, or 'general' (the train split of the "
-                        "project's general prompt set: writing, explanation, code, summarisation, lists, "
-                        "translation, multi-turn chat)")
+    g.add_argument("--extra-prompts", default=None,
+                   help="more prompts: .txt (one per line) or .jsonl, or 'general' (the train split of the project's "
+                        "general prompt set: writing, explanation, code, summarisation, lists, translation, "
+                        "multi-turn chat)")
     g.add_argument("--num-prompts", type=int, default=None, help="first N GSM8K prompts (default: all)")
     g.add_argument("--skip-prompts", type=int, default=0, metavar="K",
                    help="skip the first K GSM8K prompts (then --num-prompts): more data for prompts an earlier run "

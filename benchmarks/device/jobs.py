@@ -150,6 +150,23 @@ JOBS: list[Job] = [
                   "python3 -m benchmarks.ops.bench_fp8_linear --dense --rows 1 6 17 --json $R/fp8_dense_linear.json"),
         gpus=1, limit_s=330, env={"BATON_TEST_REPORT": "$R/figures.jsonl"},
         outputs=("junit.xml", "figures.jsonl", "fp8_dense_linear.json")),
+    Job("fp8-w8a8", "w8a8 fp8 dense projections (fp8 activations, fp8 x fp8 MMA): tune its configs into the fp8 "
+                    "table, time w8a16 / w8a8 / cuBLAS-on-bf16 at every Ling fp8 dense shape (M = 1..17), then the "
+                    "GPU tests of w8a8, the fp8 dense path and the decode GEMMs",
+        commands=("cp baton/ops/fp8_linear/tuned/nvidia-h200.json $R/fp8_table_before.json",
+                  "set -o pipefail; python3 benchmarks/bench_decode_gemm.py --dtypes fp8 --tune-w8a8 --write-table "
+                  "--impls baton w8a8 cublas scaled_mm --budget-s 130 --workers 14 --json $R/decode_gemm_w8a8.json "
+                  "2>&1 | tee $R/bench.log",
+                  "cp baton/ops/fp8_linear/tuned/nvidia-h200.json $R/nvidia-h200.json",
+                  f"set -o pipefail; {PYTEST} -n 12 -m gpu tests/ops/test_fp8_w8a8.py --junitxml=$R/junit_w8a8.xml "
+                  "2>&1 | tee $R/tests_w8a8.log",
+                  "ncu --clock-control none -k regex:linear_kernel --section SpeedOfLight --section Occupancy "
+                  "--section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis "
+                  "python3 benchmarks/results/fp8-w8a8-2026-12-02/profile_w8a8.py > $R/ncu.log 2>&1",
+                  f"set -o pipefail; {PYTEST} -n 12 -m gpu tests/ops/test_fp8_dense.py tests/ops/test_decode_gemm.py "
+                  "--junitxml=$R/junit_fp8_decode.xml 2>&1 | tee $R/tests_fp8_decode.log"),
+        gpus=1, limit_s=200, outputs=("decode_gemm_w8a8.json", "nvidia-h200.json", "fp8_table_before.json",
+                                      "junit_*.xml")),
     # --- SmolLM2-135M-Instruct ---------------------------------------------------------------------------
     Job("smollm2-decode", "the published SmolLM2 figure: plain greedy decode of the embedded GGUF, fused attention "
                           "off and on, against HF generate and HF StaticCache + torch.compile in the same run",
@@ -220,6 +237,15 @@ JOBS: list[Job] = [
                   "python3 -m benchmarks.ops.bench_moe --modes direct --tokens 1 6 --routes uniform --no-torch "
                   "--tp-size 2 --json $R/moe_bf16_tp2.jsonl"),
         gpus=1, limit_s=240, outputs=("moe_fp8_sweep_tp2.jsonl", "moe_bf16_tp2.jsonl")),
+    Job("moe-w8a8", "fp8 MoE at T = 1, 6, 17 (cold weights, uniform routes): the default path before/after the "
+                    "one-program alignment against w8a8 (act_fp8), the w8a8 tile sweep written into the MoE table "
+                    "copy, and the MoE GPU tests",
+        commands=(f"cp {MOE_TABLE} $R/nvidia-h200.json",
+                  "python3 -m benchmarks.ops.bench_moe_w8a8 --sweep --write-table $R/nvidia-h200.json "
+                  "--json $R/moe_w8a8.jsonl",
+                  "python3 -m pytest -q -m gpu tests/ops/test_moe_w8a8.py tests/ops/test_moe_fp8.py "
+                  "tests/ops/test_moe_triton.py tests/ops/test_moe_active_rows.py 2>&1 | tee $R/gpu_tests.log"),
+        gpus=1, limit_s=420, outputs=("nvidia-h200.json", "moe_w8a8.jsonl")),
     Job("linear-tune-ling", "tune the linear kernels' configs at Ling's decode shapes, M = 1 and 6; nvidia-h200.json "
                             "comes back merged (commit it as " + TABLE + ")",
         commands=(f"cp {TABLE} $R/nvidia-h200.json", tune("--m 1 6 --only ling")),

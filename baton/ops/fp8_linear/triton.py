@@ -121,8 +121,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
 DENSE_MAX_M = lt.MAX_M
 
 
-def pick_dense_config(m: int, n_out: int, k: int, swiglu: bool = False) -> LinearConfig:
-    """The fp8 table's entry for the shape and row bucket, else ``baton.ops.linear.triton``'s bucket rules."""
+def pick_dense_config(m: int, n_out: int, k: int, swiglu: bool = False, act_fp8: bool = False) -> LinearConfig:
+    """The fp8 table's entry for the shape and row bucket, else ``baton.ops.linear.triton``'s bucket rules;
+    ``act_fp8``: the w8a8 entries (the swap form at every M)."""
+    if act_fp8:
+        return lt.pick_config(m, n_out, k, swiglu, fp8=True, act_fp8=True)
     cfg = lt.pick_config(m, n_out, k, swiglu, fp8=True)
     return lt._heuristic_config(m, n_out, k, swiglu, True) if cfg.cublas else cfg
 
@@ -168,11 +171,13 @@ def supports_dense(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tenso
 def fp8_dense(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, row_block: torch.Tensor | None = None,
               norm_weight: torch.Tensor | None = None, eps: float = 1e-6, residual: torch.Tensor | None = None,
               swiglu: bool = False, limit: float = 0.0, tiles: tuple[int, int, int, int] | None = None,
-              pdl: bool | None = None, config: LinearConfig | None = None) -> torch.Tensor:
+              pdl: bool | None = None, config: LinearConfig | None = None, act_fp8: bool = False) -> torch.Tensor:
     """``naive.fp8_dense_linear`` (``swiglu``: ``naive.fp8_dense_linear_swiglu``) in one launch. x [..., K] with
     at most DENSE_MAX_M rows; the result has x's dtype (promoted with the residual's), as ``baton.ops.linear``.
     ``config`` (or the older ``tiles``: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the look-ahead forms, no
-    split) overrides the table."""
+    split) overrides the table. ``act_fp8``: w8a8 (the rows quantised to e4m3 per 128-column group after the
+    prologue, fp8 x fp8 MMA; the same arithmetic as the reference with ``act_fp8=True``); a ``config`` then must be
+    a swap-form one with BLOCK_K 128."""
     m = x.numel() // x.shape[-1]
     assert 1 <= m <= DENSE_MAX_M, f"fp8_dense takes 1..{DENSE_MAX_M} rows, got {m}"
     n_out = weight.shape[0] // 2 if swiglu else weight.shape[0]
@@ -181,8 +186,8 @@ def fp8_dense(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, ro
         block_n, block_k, num_warps, num_stages = tiles
         config = LinearConfig(block_n, block_k, 1, num_warps, num_stages)
     if config is None:
-        config = pick_dense_config(m, n_out, x.shape[-1], swiglu)
+        config = pick_dense_config(m, n_out, x.shape[-1], swiglu, act_fp8)
     if m > 1 and config.dot:
         assert config.block_n >= 16 and config.block_k >= 16, "tl.dot needs BLOCK_N, BLOCK_K >= 16"
     return lt._launch(x, weight, norm_weight, eps, residual, swiglu, limit, config, pdl, scale_inv.contiguous(),
-                      row_block)
+                      row_block, act_fp8)

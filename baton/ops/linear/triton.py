@@ -25,6 +25,12 @@ Design (bandwidth-bound at batch 1; every weight byte is read exactly once):
   fp16 (one conversion per two weights, where bf16 takes three), the activation chunk scaled per row by a power
   of two into fp16's range first (exact: bf16 values have fewer mantissa bits than fp16) and the product scaled
   back.
+- w8a8 (``act_fp8``, fp8 weights): the prologue's output is quantised in registers per (row, 128-column group) to
+  e4m3 (amax / 448 scales, ``baton.ops.fp8_linear.naive.quantize_act_groups`` bit for bit) and the swap form's
+  ``tl.dot`` takes e4m3 on both sides (Hopper's fp8 wgmma, fp32 accumulation): the weight tile goes from its
+  (pipelined) load to the MMA with no per-weight conversion; each chunk (BLOCK_K = 128, one group) is a fresh dot
+  scaled by the weight block scale(s) times each row's group scale in fp32. One row (M = 1) takes the swap form
+  too, padded to 16. Configs: the fp8 table's ``"act": "fp8"`` entries (kinds "m1", "m4" .. "m32").
 - RMSNorm prologue: each program recomputes the row statistics from x (K <= ~8192, x stays in L2), then
   normalises each x chunk exactly as ``rms_norm`` does: fp32 ``x * rsqrt(mean(x^2) + eps)``, rounded to x's
   dtype, times ``norm_weight``, rounded again.
@@ -77,6 +83,7 @@ MAX_M = 32
 NUM_SMS = 132  # H200
 NUM_COUNTERS = 16384  # split-K column blocks per device (one int32 each)
 SB = 128  # fp8 block-scale size (baton.ops.quant.fp8.BLOCK)
+ACT_AMIN = tl.constexpr(1e-12)  # w8a8: the smallest activation group amax (an all-zero group quantises to 0)
 
 # Kernel forms (constexpr FORM) and fp8 scale modes (constexpr S_MODE).
 GEMV, ROWS, DOT, SWAP = 0, 1, 2, 3
@@ -116,6 +123,7 @@ class LinearConfig:
 ROW_BUCKETS = (4, 8, 16, 32)
 TUNED: dict[tuple[str, int, int, bool], LinearConfig] = {}
 TUNED_FP8: dict[tuple[str, int, int, bool], LinearConfig] = {}
+TUNED_W8A8: dict[tuple[str, int, int, bool], LinearConfig] = {}  # fp8 weights, fp8 activations (kinds m1, m4..m32)
 TUNED_DIR = Path(__file__).with_name("tuned")
 TUNED_FP8_DIR = Path(__file__).parents[1] / "fp8_linear" / "tuned"
 
@@ -125,17 +133,20 @@ def table_path(device_name: str, directory: Path | None = None) -> Path:
     return (TUNED_DIR if directory is None else directory) / f"{slug}.json"
 
 
-def read_table(path: Path) -> dict[tuple[str, int, int, bool], LinearConfig]:
+def read_table(path: Path, act_fp8: bool = False) -> dict[tuple[str, int, int, bool], LinearConfig]:
+    """The table's entries of one activation mode: w8a16 / plain (entries without ``"act"``), or with
+    ``act_fp8`` the w8a8 ones (``"act": "fp8"``, fp8 table only; kinds "m1" and the row buckets "m4" .. "m32")."""
     with open(path) as f:
         data = json.load(f)
     return {(e["kind"], int(e["n_out"]), int(e["k"]), bool(e["swiglu"])): LinearConfig(**e["config"])
-            for e in data["entries"]}
+            for e in data["entries"] if (e.get("act") == "fp8") == act_fp8}
 
 
 @functools.cache
-def _device_table(device_name: str, fp8: bool = False) -> dict[tuple[str, int, int, bool], LinearConfig]:
+def _device_table(device_name: str, fp8: bool = False,
+                  act_fp8: bool = False) -> dict[tuple[str, int, int, bool], LinearConfig]:
     path = table_path(device_name, TUNED_FP8_DIR if fp8 else TUNED_DIR)
-    return read_table(path) if path.is_file() else {}
+    return read_table(path, act_fp8) if path.is_file() else {}
 
 
 @functools.cache
@@ -200,20 +211,37 @@ def _heuristic_config(m: int, n_out: int, k: int, swiglu: bool, fp8: bool = Fals
     return LinearConfig(block_n, block_k, split_k, 4, 4 if block_n * block_k <= 8192 else 3, True, True)
 
 
-def table_kinds(m: int) -> tuple[str, ...]:
-    """The table kinds a call with ``m`` rows looks up, in order: its own, then (M > 1) the "dot" fallback."""
+def _act8_heuristic(m: int, n_out: int, k: int, swiglu: bool) -> LinearConfig:
+    """w8a8 without a table entry: the swap form, BLOCK_K one activation group (128), 128 columns (64, 32 for
+    narrow shapes), four stages, K split until there are ~2 programs per SM."""
+    block_n = 128 if n_out >= 128 * NUM_SMS else 64 if n_out >= 64 * 16 else 32
+    split_k = _fill_split(triton.cdiv(n_out, block_n), k, SB)
+    return LinearConfig(block_n, SB, split_k, 4, 4, True, True)
+
+
+def table_kinds(m: int, act_fp8: bool = False) -> tuple[str, ...]:
+    """The table kinds a call with ``m`` rows looks up, in order: its own, then (M > 1) the "dot" fallback.
+    w8a8 (``act_fp8``, the fp8 table's ``"act": "fp8"`` entries): "m1" for one row, else its bucket, no fallback."""
     if m == 1:
-        return ("gemv",)
+        return ("m1",) if act_fp8 else ("gemv",)
     bucket = next(b for b in ROW_BUCKETS if m <= b) if m <= ROW_BUCKETS[-1] else ROW_BUCKETS[-1]
-    return (f"m{bucket}", "dot")
+    return (f"m{bucket}",) if act_fp8 else (f"m{bucket}", "dot")
 
 
-def pick_config(m: int, n_out: int, k: int, swiglu: bool = False, fp8: bool = False) -> LinearConfig:
+def pick_config(m: int, n_out: int, k: int, swiglu: bool = False, fp8: bool = False,
+                act_fp8: bool = False) -> LinearConfig:
     """The config for x [m, k] and n_out output columns: a tuned entry if the shape has one, else the buckets.
-    ``fp8``: the fp8 weights' table."""
+    ``fp8``: the fp8 weights' table; ``act_fp8``: its w8a8 entries (always a swap-form config, BLOCK_K 128)."""
     name = _current_device_name()
     table = _device_table(name, fp8) if name else {}
     tuned = TUNED_FP8 if fp8 else TUNED
+    if act_fp8:
+        table = _device_table(name, True, True) if name else {}
+        for kind in table_kinds(m, True):
+            cfg = TUNED_W8A8.get((kind, n_out, k, swiglu)) or table.get((kind, n_out, k, swiglu))
+            if cfg is not None and cfg.dot and cfg.swap and cfg.block_k == SB and not cfg.cublas:
+                return cfg
+        return _act8_heuristic(m, n_out, k, swiglu)
     for kind in table_kinds(m):
         key = (kind, n_out, k, swiglu)
         cfg = tuned.get(key) or table.get(key)
@@ -324,8 +352,42 @@ def _e4m3_bits(w):
 
 
 @triton.jit
+def _e4m3_round(v):
+    """|v| <= 448 rounded to the nearest e4m3 value (ties to even), as fp32: normal values keep 3 mantissa bits,
+    those under 2^-6 become multiples of 2^-9 (interpreter only; exact IEEE fp32 steps)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    normal = (((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20).to(tl.float32, bitcast=True)
+    a = tl.abs(v)
+    sub = (a + 16384.0) - 16384.0  # the fp32 ulp at 2^14 is 2^-9
+    sub = tl.where(v < 0, -sub, sub)
+    return tl.where(a < 0.015625, sub, normal)
+
+
+@triton.jit
+def _act_quant(h, ACT_FP8: tl.constexpr, INTERPRET: tl.constexpr):
+    """w8a8: the chunk [BLOCK_M, 128] (one 128-wide K group: BLOCK_K is 128) of prologue output quantised per row to
+    e4m3, as ``baton.ops.fp8_linear.naive.quantize_act_groups`` does: amax = max(|h|, AMIN) over the group,
+    q = clamp(h * (448 / amax), -448, 448) rounded to nearest e4m3, scale amax / 448 (both divisions IEEE-rounded,
+    so the reference computes the same q and scale bit for bit). Returns (q, scale [BLOCK_M]); otherwise (h, 1)."""
+    if ACT_FP8:
+        hf = h.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(hf), axis=1), ACT_AMIN)  # [BLOCK_M]
+        inv = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
+        sx = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        qf = tl.minimum(tl.maximum(hf * inv[:, None], -448.0), 448.0)
+        if INTERPRET:
+            q = _e4m3_round(qf)  # the interpreter's fp32 -> e4m3 cast misrounds near powers of two
+        else:
+            q = qf.to(tl.float8e4nv)
+    else:
+        q = h
+        sx = 1.0
+    return q, sx
+
+
+@triton.jit
 def _mac(acc, h, w, s, FORM: tl.constexpr, S_MODE: tl.constexpr, DOT_F16: tl.constexpr, BITS: tl.constexpr,
-         DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+         DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, sx, ACT_FP8: tl.constexpr):
     """One chunk into the accumulator. GEMV: acc [BLOCK_N, BLOCK_K] += the products (reduced after the loop);
     rows / dot: acc [BLOCK_M, BLOCK_N] += h @ w.T; swap: acc [BLOCK_N, BLOCK_M] += w @ h.T. ``s``: the fp8 chunk's
     scales (S_MODE), ignored for S_NONE. BITS (fp8, GEMV and rows forms): widen with ``_e4m3_bits`` and fold its
@@ -333,7 +395,18 @@ def _mac(acc, h, w, s, FORM: tl.constexpr, S_MODE: tl.constexpr, DOT_F16: tl.con
     exact fp32 copies."""
     if BITS:
         s = s * 1.329227995784916e36  # 2^120
-    if FORM == 0:
+    if ACT_FP8:
+        # w8a8 (swap form only): e4m3 tile x e4m3 rows -> fp32 on the MMA (wgmma / QGMMA), no per-weight widening;
+        # the chunk's product times the weight block scale(s) and each row's activation group scale, in fp32
+        if INTERPRET:
+            part = tl.dot(w.to(tl.float32), tl.trans(h.to(tl.float32)), input_precision="ieee")
+        else:
+            part = tl.dot(w, tl.trans(h))
+        if S_MODE == 3:
+            acc += (part * s[:, None]) * sx[None, :]
+        else:
+            acc += part * (sx * s)[None, :]
+    elif FORM == 0:
         if BITS:
             wf = _e4m3_bits(w)
         else:
@@ -442,7 +515,7 @@ def linear_kernel(
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
     FORM: tl.constexpr, S_MODE: tl.constexpr, ROW_MAP: tl.constexpr, SB: tl.constexpr, DOT_F16: tl.constexpr,
     BITS: tl.constexpr, PREFETCH: tl.constexpr, LOOKAHEAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, INTERPRET: tl.constexpr,
+    USE_PDL: tl.constexpr, INTERPRET: tl.constexpr, ACT_FP8: tl.constexpr = False,
 ):
     """out[M, N_OUT] = epilogue(prologue(x) @ dequantise(w).T). w has N_OUT rows (2 * N_OUT for SwiGLU: gate then
     up); fp8 (S_MODE > 0) with scales ``s_ptr`` [row blocks, cdiv(K, SB)] and, with ROW_MAP, each row's scale row
@@ -504,22 +577,24 @@ def linear_kernel(
         # The chunk loaded before the wait, then a plain loop that the compiler pipelines (num_stages).
         h = _load_h(x_ptr, nw_ptr, offs_m, k_lo + tl.arange(0, BLOCK_K), m_mask, k_hi, rstd, stride_xm, HAS_NORM,
                     H_DTYPE, INTERPRET)
+        h, sx = _act_quant(h, ACT_FP8, INTERPRET)
         s0 = _load_s(s_base, k_lo, k_hi, BLOCK_K, SB, S_MODE)
-        acc = _mac(acc, h, w, s0, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET)
+        acc = _mac(acc, h, w, s0, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8)
         if SWIGLU:
             su0 = _load_s(s_up, k_lo, k_hi, BLOCK_K, SB, S_MODE)
-            acc_up = _mac(acc_up, h, w_up, su0, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET)
+            acc_up = _mac(acc_up, h, w_up, su0, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8)
         for i in range(1, N_CHUNKS):
             k0 = k_lo + i * BLOCK_K
             w = _load_w(w_ptr, row_off, k0, k_hi, BLOCK_K, K_MASK)
             h = _load_h(x_ptr, nw_ptr, offs_m, k0 + tl.arange(0, BLOCK_K), m_mask, k_hi, rstd, stride_xm, HAS_NORM,
                         H_DTYPE, INTERPRET)
+            h, sx = _act_quant(h, ACT_FP8, INTERPRET)
             s = _load_s(s_base, k0, k_hi, BLOCK_K, SB, S_MODE)
-            acc = _mac(acc, h, w, s, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET)
+            acc = _mac(acc, h, w, s, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8)
             if SWIGLU:
                 w_up = _load_w(w_ptr, up_off, k0, k_hi, BLOCK_K, K_MASK)
                 s_u = _load_s(s_up, k0, k_hi, BLOCK_K, SB, S_MODE)
-                acc_up = _mac(acc_up, h, w_up, s_u, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET)
+                acc_up = _mac(acc_up, h, w_up, s_u, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8)
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
         if SWIGLU:
             acc_up = tl.trans(acc_up)
@@ -533,12 +608,13 @@ def linear_kernel(
                 w_up_next = _load_w(w_ptr, up_off, k0 + BLOCK_K, k_hi, BLOCK_K, K_MASK)
             h = _load_h(x_ptr, nw_ptr, offs_m, k0 + tl.arange(0, BLOCK_K), m_mask, k_hi, rstd, stride_xm, HAS_NORM,
                         H_DTYPE, INTERPRET)
+            h, sx = _act_quant(h, ACT_FP8, INTERPRET)
             s = _load_s(s_base, k0, k_hi, BLOCK_K, SB, S_MODE)
-            acc = _mac(acc, h, w, s, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET)
+            acc = _mac(acc, h, w, s, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8)
             w = w_next
             if SWIGLU:
                 s_u = _load_s(s_up, k0, k_hi, BLOCK_K, SB, S_MODE)
-                acc_up = _mac(acc_up, h, w_up, s_u, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET)
+                acc_up = _mac(acc_up, h, w_up, s_u, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8)
                 w_up = w_up_next
         if FORM == 0:
             acc = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
@@ -613,9 +689,12 @@ def _scale_mode(fp8: bool, form: int, cfg_block_n: int, block_k: int, n_out: int
 def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
             residual: torch.Tensor | None, swiglu: bool, limit: float, config: LinearConfig | None,
             use_pdl: bool | None, scale: torch.Tensor | None = None,
-            row_block: torch.Tensor | None = None) -> torch.Tensor:
-    """One launch of ``linear_kernel``; ``scale`` (fp32 [row blocks, cdiv(K, 128)]) marks an fp8 weight."""
+            row_block: torch.Tensor | None = None, act_fp8: bool = False) -> torch.Tensor:
+    """One launch of ``linear_kernel``; ``scale`` (fp32 [row blocks, cdiv(K, 128)]) marks an fp8 weight;
+    ``act_fp8`` (fp8 weights only): w8a8, the rows quantised per 128-column group in the prologue and the swap form's
+    MMA in fp8 at every M (M = 1 too: the rows padded to 16), chunks of exactly one group (BLOCK_K = 128)."""
     fp8 = scale is not None
+    assert fp8 or not act_fp8, "act_fp8 needs an fp8 weight"
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -632,11 +711,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | N
         res2 = residual.reshape(m, n_out)
         if res2.stride(-1) != 1:
             res2 = res2.contiguous()
-    cfg = config or pick_config(m, n_out, k, swiglu, fp8)
-    use_dot = m > 1 and cfg.dot
+    cfg = config or pick_config(m, n_out, k, swiglu, fp8, act_fp8)
+    use_dot = (m > 1 or act_fp8) and cfg.dot
     form = (SWAP if cfg.swap else DOT) if use_dot else (ROWS if m > 1 else GEMV)
     block_m = max(16, _pow2_at_least(m)) if use_dot else _pow2_at_least(m)
     block_k = cfg.block_k
+    if act_fp8:
+        assert form == SWAP and block_k == SB, "w8a8 takes the swap form with BLOCK_K = 128 (one activation group)"
     if fp8 and block_k > SB and (form >= DOT or row_block is not None or SB % cfg.block_n or (swiglu and n_out % SB)):
         block_k = SB  # these forms need a chunk inside one scale column
     if use_dot:
@@ -661,7 +742,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | N
         if weight.data_ptr() % 16 or (weight.stride(0) * esize) % 16 or (k_per_split * esize) % 16:
             prefetch = 0
     extra = {"launch_pdl": True} if pdl else {}
-    dot_f16 = bool(fp8 and cfg.f16 and form == SWAP and x.dtype != torch.float32)
+    dot_f16 = bool(fp8 and cfg.f16 and form == SWAP and x.dtype != torch.float32 and not act_fp8)
     linear_kernel[(n_blocks, split_k)](
         x2, weight, out if scale is None else scale, out if row_block is None else row_block,
         x2 if norm_weight is None else norm_weight, res2, out, part, counters,
@@ -676,7 +757,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | N
         BITS=bool(fp8 and cfg.bits and form in (GEMV, ROWS)), PREFETCH=prefetch,
         LOOKAHEAD=not (form == SWAP and cfg.num_stages > 1),
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        INTERPRET=env.triton_interpret(),
+        INTERPRET=env.triton_interpret(), ACT_FP8=act_fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
     return out.reshape(*x.shape[:-1], n_out)

@@ -14,10 +14,17 @@ from types import ModuleType
 import torch
 
 from baton import env
-from baton.ops.moe.naive import drop_inactive_rows, fused_experts, fused_experts_dense_gather, grouped_topk
+from baton.ops.moe.naive import (
+    drop_inactive_rows,
+    fused_experts,
+    fused_experts_dense_gather,
+    fused_experts_w8a8,
+    grouped_topk,
+    quantize_act_e4m3,
+)
 
-__all__ = ["drop_inactive_rows", "fused_experts", "fused_experts_dense_gather", "grouped_topk", "moe_experts",
-           "select_experts"]
+__all__ = ["drop_inactive_rows", "fused_experts", "fused_experts_dense_gather", "fused_experts_w8a8", "grouped_topk",
+           "moe_experts", "quantize_act_e4m3", "select_experts"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -54,13 +61,31 @@ def select_experts(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, swiglu_limit: float = 0.0, residual: torch.Tensor | None = None,
                 shared_out: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
-                w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                w2_scale: torch.Tensor | None = None, act_fp8: bool = False) -> torch.Tensor:
     """``[residual +] [shared_out +] sum_k w_k * expert_k(x)`` accumulated in fp32, returned in x's dtype.
     x [T, d]; w13 [E, 2I, d]; w2 [E, d, I]; topk_ids / topk_weights [T, k]; residual / shared_out [T, d].
     An id of -1 (``select_experts``' rows past ``active_rows``) is no expert: it adds nothing and the Triton kernels
     and the eager reference read no weights for it, so a row of -1s returns ``residual + shared_out``.
     fp8 experts: w13 / w2 in float8_e4m3fn with 128 x 128 block ``*_scale`` (scale_inv); the reference path
-    dequantises to x's dtype first (the kernel applies the scales in registers)."""
+    dequantises to x's dtype first (the kernel applies the scales in registers).
+    ``act_fp8`` (fp8 experts only; default False, the numerics above): w8a8, x and each pair's SwiGLU output
+    quantised to e4m3 per (row, 128-K group) with power-of-two scales and fp8 x fp8 products
+    (``naive.fused_experts_w8a8``, the same arithmetic on every path)."""
+    if act_fp8:
+        if w13_scale is None or w2_scale is None:
+            raise ValueError("act_fp8 needs fp8 experts (w13_scale and w2_scale)")
+        if _use_triton(x):
+            return _triton_impl().fused_experts_decode(x, w13, w2, topk_ids, topk_weights, swiglu_limit,
+                                                       residual=residual, shared_out=shared_out,
+                                                       w13_scale=w13_scale, w2_scale=w2_scale, act_fp8=True)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        y = fused_experts_w8a8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit,
+                               capturing=capturing)
+        if shared_out is not None:
+            y = y + shared_out.float()
+        if residual is not None:
+            y = y + residual.float()
+        return y.to(x.dtype)
     if _use_triton(x) and (w13_scale is None or env.fp8_aligned_prefill()
                            or x.shape[0] * topk_ids.shape[1] <= _triton_impl().FP8_DIRECT_MAX_PAIRS):
         # fp8 at any T too: direct for the decode shapes, aligned past them (prefill: no dequantised copy)

@@ -71,3 +71,95 @@ def fused_experts_dense_gather(x: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
         y = torch.bmm(w2.index_select(0, ids), h[:, :, None])[:, :, 0]  # [T, d]
         out += torch.where(routed, y.float() * topk_weights[:, j : j + 1].float(), 0.0)
     return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# w8a8: fp8 experts x fp8 activations (``moe_experts(..., act_fp8=True)``)
+# --------------------------------------------------------------------------------------------------------------------
+
+ACT_GROUP = 128  # activations are quantised per (row, 128 consecutive K) group, as the 128 x 128 weight blocks
+_TINY_AMAX = 1e-30  # floor of a group's amax (an all-zero group): its scale stays a normal power of two
+
+
+def quantize_act_e4m3(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (q [..., K] float8_e4m3fn, scale [..., ceil(K/group)] fp32) with x ~= q * scale per group.
+
+    The scale is the smallest power of two ``2^s`` with ``amax / 2^s <= 448`` (amax of the group in fp32, floored at
+    1e-30), found from amax's exponent and mantissa bits, so ``x * 2^-s`` is exact and only the cast to e4m3
+    (round to nearest even) rounds: the Triton kernels (``_quant_e4m3``) compute the same bits."""
+    xf = x.float()
+    k = xf.shape[-1]
+    pad = (-k) % group
+    xp = torch.nn.functional.pad(xf, (0, pad)) if pad else xf
+    g = xp.reshape(*xf.shape[:-1], -1, group)
+    amax = g.abs().amax(-1).clamp_min(_TINY_AMAX)
+    bits = amax.contiguous().view(torch.int32)
+    s = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)  # 448 = 1.75 * 2^8
+    scale = ((s + 127) << 23).view(torch.float32)
+    inv = ((127 - s) << 23).view(torch.float32)
+    q = (g * inv[..., None]).to(torch.float8_e4m3fn).reshape(*xf.shape[:-1], -1)[..., :k]
+    return q, scale
+
+
+def _w8a8_matvec(q: torch.Tensor, qs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, row_block: torch.Tensor,
+                 group: int = ACT_GROUP) -> torch.Tensor:
+    """sum over K groups g of ``(ws[n, g] * qs[p, g]) * sum_{k in g} w[p, n, k] q[p, k]`` in fp32.
+    q [P, K] fp8, qs [P, G]; w [P, N, K] fp8, ws [P, NB, G] (scale_inv blocks), row_block [N]: each row's block."""
+    num_k = q.shape[-1]
+    pad = (-num_k) % group
+    qf, wf = q.float(), w.float()
+    if pad:
+        qf, wf = torch.nn.functional.pad(qf, (0, pad)), torch.nn.functional.pad(wf, (0, pad))
+    n_groups = qf.shape[-1] // group
+    part = torch.einsum("pgk,pngk->png", qf.reshape(qf.shape[0], n_groups, group),
+                        wf.reshape(*wf.shape[:2], n_groups, group))  # [P, N, G]
+    scale = ws[:, row_block, :] * qs[:, None, :]  # [P, N, G]
+    return (part * scale).sum(-1)
+
+
+def _w8a8_pairs(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
+                swiglu_limit: float) -> torch.Tensor:
+    """One expert per row: x [P, d]; w13 [P, 2I, d] fp8 + scale [P, 2*ceil(I/128), ceil(d/128)] (gate blocks, then
+    up blocks); w2 [P, d, I] fp8 + scale. Returns expert(x) [P, d] fp32 with both activations quantised to e4m3."""
+    inter = w13.shape[1] // 2
+    dev = x.device
+    gate_blocks = (inter + ACT_GROUP - 1) // ACT_GROUP
+    rows = torch.arange(inter, device=dev) // ACT_GROUP
+    row_block13 = torch.cat([rows, rows + gate_blocks])
+    q, qs = quantize_act_e4m3(x)
+    gate_up = _w8a8_matvec(q, qs, w13, w13_scale, row_block13)  # [P, 2I]
+    act = swiglu(gate_up, swiglu_limit)  # [P, I] fp32
+    qa, qas = quantize_act_e4m3(act)
+    return _w8a8_matvec(qa, qas, w2, w2_scale, torch.arange(w2.shape[1], device=dev) // ACT_GROUP)
+
+
+def fused_experts_w8a8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                       w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       swiglu_limit: float = 0.0, *, capturing: bool = False) -> torch.Tensor:
+    """The w8a8 routed experts: x and each pair's SwiGLU output quantised to e4m3 per (row, 128-K group) with
+    power-of-two scales (``quantize_act_e4m3``), fp8 x fp8 products summed per group in fp32 and scaled by
+    weight block scale x activation group scale. Returns sum_k w_k * expert_k(x) [T, d] fp32 (ids -1 skipped).
+    ``capturing``: no host sync (one gather per top-k slot, as ``fused_experts_dense_gather``; an id of -1 gathers
+    expert 0 and adds exactly zero)."""
+    num_tokens, hidden = x.shape
+    out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
+    if capturing:
+        for j in range(topk_ids.shape[1]):
+            routed = topk_ids[:, j : j + 1] >= 0
+            ids = topk_ids[:, j].long().clamp_min(0)
+            y = _w8a8_pairs(x, w13[ids], w13_scale[ids], w2[ids], w2_scale[ids], swiglu_limit)
+            out += torch.where(routed, y * topk_weights[:, j : j + 1].float(), 0.0)
+        return out
+    flat_ids = topk_ids.reshape(-1)
+    token_idx = torch.arange(num_tokens, device=x.device).repeat_interleave(topk_ids.shape[1])
+    weights = topk_weights.reshape(-1).float()
+    for e in torch.unique(flat_ids).tolist():
+        if e < 0:
+            continue
+        sel = (flat_ids == e).nonzero(as_tuple=True)[0]
+        toks = token_idx[sel]
+        n = toks.numel()
+        y = _w8a8_pairs(x[toks], w13[e].expand(n, -1, -1), w13_scale[e].expand(n, -1, -1), w2[e].expand(n, -1, -1),
+                        w2_scale[e].expand(n, -1, -1), swiglu_limit)
+        out.index_add_(0, toks, y * weights[sel, None])
+    return out

@@ -2,10 +2,12 @@
 
 A table maps a kind to entries keyed by the largest token count T each serves (the first key >= T wins; past the
 last key the last entry). Kinds: ``direct`` (the per-pair / per-token kernels, bf16), ``aligned`` (the
-expert-grouped kernels, also hybrid's up-projection), ``fp8`` (direct over fp8 experts) and ``fp8_aligned``
-(aligned over fp8 experts: prefill). The current GPU's table is ``tuned/<gpu name>.json`` (the same naming as the
-linear kernels' tables, baton/ops/linear/tuned/), written by the tile sweep
-``python -m benchmarks.ops.bench_moe --sweep --write-table``. A GPU without a table, a kind its table lacks, and
+expert-grouped kernels, also hybrid's up-projection), ``fp8`` (direct over fp8 experts), ``fp8_aligned``
+(aligned over fp8 experts: prefill) and ``fp8_w8a8`` (fp8 experts x e4m3 activations, ``act_fp8=True``:
+BLOCK_K is 128, the activation group; ``block_m`` the aligned row block). The current GPU's table is
+``tuned/<gpu name>.json`` (the same naming as the linear kernels' tables, baton/ops/linear/tuned/), written by the
+tile sweeps ``python -m benchmarks.ops.bench_moe --sweep --write-table`` and (kind ``fp8_w8a8``)
+``python -m benchmarks.ops.bench_moe_w8a8 --sweep --write-table``. A GPU without a table, a kind its table lacks, and
 the CPU (the Triton interpreter) take ``FALLBACK``: untuned tiles that are valid for every shape, fp8 included.
 
 File format: ``{"device": name, "entries": [{"kind", "max_tokens", "up", "down", "block_m", "combine"}, ...]}``;
@@ -37,6 +39,8 @@ class MoETile:
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
+    split_k: int = 1  # w8a8 up-projection only: K split over this many programs (partial sums, SwiGLU in down;
+    # measured slower at T = 1 on the H200, so no table entry uses it)
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class MoEConfig:
     combine: MoETile = MoETile(256, 1, 4, 1)  # aligned mode: combine kernel (block_n only)
 
 
-KINDS = ("direct", "aligned", "fp8", "fp8_aligned")
+KINDS = ("direct", "aligned", "fp8", "fp8_aligned", "fp8_w8a8")
 ANY_T = 1 << 30  # the key of an entry that serves every larger T (null in a table file)
 
 # Valid everywhere: fp8 tiles have BLOCK_N and BLOCK_K dividing the 128 x 128 scale blocks; the aligned prefill
@@ -58,6 +62,8 @@ FALLBACK: dict[str, dict[int, MoEConfig]] = {
                 ANY_T: MoEConfig(up=MoETile(64, 64, 4, 3), down=MoETile(64, 64, 4, 3), block_m=64)},
     "fp8": {ANY_T: MoEConfig(up=MoETile(32, 128, 4, 4), down=MoETile(32, 128, 4, 4))},
     "fp8_aligned": {ANY_T: MoEConfig(up=MoETile(64, 64, 4, 3), down=MoETile(64, 64, 4, 3), block_m=64)},
+    # w8a8 (fp8 experts x e4m3 activations, act_fp8=True): BLOCK_K is the 128-column group, BLOCK_N divides 128
+    "fp8_w8a8": {ANY_T: MoEConfig(up=MoETile(64, 128, 4, 4), down=MoETile(64, 128, 4, 4), block_m=16)},
 }
 TUNED_DIR = Path(__file__).with_name("tuned")
 
@@ -86,8 +92,11 @@ def read_table(path: str | os.PathLike) -> dict[str, dict[int, MoEConfig]]:
 
 
 def _entry(kind: str, max_tokens: int, cfg: MoEConfig, extra: dict | None = None) -> dict:
-    return {"kind": kind, "max_tokens": None if max_tokens >= ANY_T else max_tokens, **dataclasses.asdict(cfg),
-            **(extra or {})}
+    tiles = dataclasses.asdict(cfg)
+    for tile in tiles.values():  # split_k only where it is used
+        if isinstance(tile, dict) and tile.get("split_k") == 1:
+            del tile["split_k"]
+    return {"kind": kind, "max_tokens": None if max_tokens >= ANY_T else max_tokens, **tiles, **(extra or {})}
 
 
 def write_table(rows: list[dict], device_name: str, path: str | os.PathLike = "default") -> str:

@@ -1,4 +1,4 @@
-"""Triton MoE for batch-1 decode and short verify chains (T = 1..16 tokens, top-k = 8 of 512 experts).
+"""Triton MoE for batch-1 decode and short verify chains (T = 1..32 tokens, top-k = 8 of 512 experts).
 
 Everything is built on the GPU from ``topk_ids``: no ``.item()`` / ``.tolist()``, so every launcher here is safe
 inside CUDA-graph capture.
@@ -18,15 +18,30 @@ Kernels:
   ``moe_down_direct_kernel``: program = (N-block of d, token): one flattened loop over the token's k experts x
   K-blocks of I reading ``w2[e]`` tiles, the routing weight folded into the activation, the combine accumulated in
   fp32 in a fixed order (deterministic, no atomics), then ``+ shared_out + residual`` and one cast to x's dtype.
-* Aligned work list (``mode="aligned"``, the seed's pair-axis alignment): ``moe_align_kernel`` (one program) compares
-  all ``[NP, NP]`` (token, expert) pairs to give each pair its stable rank in its expert bucket and each bucket its
-  population and block offset; it emits ``sorted_pairs`` (pairs grouped by expert, stable in pair index) and, per
-  block of up to ``BLOCK_M`` same-expert pairs, ``(expert, start, count)`` plus the block count. Nothing scales with
-  E. ``moe_up_aligned_kernel`` / ``moe_down_aligned_kernel``: program = (N-block, expert block): ``tl.dot`` over up
+* Aligned work list (``mode="aligned"``): ``moe_align_kernel`` (one program, up to ``MAX_ALIGN_PAIRS`` = 256
+  (token, expert) pairs: 32 tokens of top-8) compares every pair with the pairs of one chunk of ``ALIGN_CHUNK`` at a
+  time, accumulating each pair's stable rank in its expert bucket, the bucket's population and the number of pairs
+  of lower experts (packed in one int32, one reduction at the end): the pair's sorted position. It writes
+  ``sorted_pairs`` (pairs grouped by expert, stable in pair index; ids -1 last, in no block) and (expert, rank,
+  population) in sorted order to a scratch buffer; after a CTA barrier it reads that back as one vector, and every
+  pair whose rank is a multiple of ``BLOCK_M`` leads a block, numbered by a running count (``tl.cumsum``): per block
+  ``(expert, start, count)`` plus the block count. No torch sort, no host value; nothing scales with E.
+  ``moe_up_aligned_kernel`` / ``moe_down_aligned_kernel``: program = (N-block, expert block): ``tl.dot`` over up
   to ``BLOCK_M`` rows so each expert's weights are read once however many tokens picked it; the down stage writes
   weighted per-pair rows ``y [T*k, d]`` fp32 and ``moe_combine_kernel`` sums each token's k rows in fixed order
   (+ shared + residual). For more than ``MAX_ALIGN_PAIRS`` pairs (prefill) the alignment is done with torch sort /
   scatter ops on the device instead (still no host sync).
+* w8a8 (``act_fp8=True``, fp8 experts only): ``moe_up_w8a8_kernel`` / ``moe_down_w8a8_kernel`` run fp8 x fp8
+  ``tl.dot`` (Hopper QGMMA) with no per-weight conversion. Swap-AB: the expert's weight tile is the MMA's wide
+  side (``[2 * BLOCK_N, 128]``: BLOCK_N gate rows and the matching up rows in one tile; ``[BLOCK_N, 128]`` for w2)
+  and the block's (up to 16) token rows the narrow side. The activations (x, then each pair's SwiGLU output) are
+  quantised in the K loop per (row, 128-column group) to e4m3 with a power-of-two scale (``_quant_e4m3``, the same
+  bits as ``naive.quantize_act_e4m3``); each group's product is scaled by weight block scale x row scale and summed
+  in fp32. Work list: for T < ``ALIGNED_MIN_TOKENS`` one program column per pair (no alignment launch), else the
+  alignment's blocks; then ``moe_combine_kernel``. Options measured slower on the H200 and off by default: an L2
+  prefetch of the weight tiles before the PDL wait (``W8A8_PREFETCH``, ``W8A8_PREFETCH_UP_GROUPS``) and a split-K
+  up-projection (``MoETile.split_k`` > 1: partial gate | up sums, SwiGLU in the down kernel). Tiles: kind
+  ``fp8_w8a8``.
 * ``mode="hybrid"``: aligned up-projection (w13 is 2/3 of each expert's bytes) + the direct per-token down-projection
   (no ``y`` buffer, no combine launch; w2 of a shared expert is read once per token that picked it).
 
@@ -61,9 +76,10 @@ from baton import env
 from baton.ops.moe import table
 from baton.ops.moe.table import MoEConfig, MoETile
 
-# More (token, expert) pairs than this are aligned with torch ops instead of the one-program pairwise kernel, whose
-# [NP, NP] tensors would spill out of registers.
-MAX_ALIGN_PAIRS = 128
+# Up to this many (token, expert) pairs (T * k: 32 tokens of top-8) the alignment is one program
+# (``moe_align_kernel``); more (prefill) are aligned with torch sort / scatter ops on the device.
+MAX_ALIGN_PAIRS = 256
+ALIGN_CHUNK = 32  # the pairs q that moe_align_kernel compares with every pair p at a time
 # Default mode: direct below this many tokens, aligned from it on.
 ALIGNED_MIN_TOKENS = 3
 
@@ -427,32 +443,55 @@ def max_aligned_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 @triton.jit
 def moe_align_kernel(
-    ids_ptr, sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_count_ptr, num_blocks_ptr,
-    M, BLOCK_M: tl.constexpr, NP: tl.constexpr, USE_PDL: tl.constexpr,
+    ids_ptr, scratch_ptr, sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_count_ptr, num_blocks_ptr,
+    M, BLOCK_M: tl.constexpr, NP: tl.constexpr, QB: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    """One program. Pass 1 compares every pair p with the pairs q of one chunk of QB at a time ([NP, QB] in
+    registers, NP / QB chunks), summing p's stable rank in its bucket, the bucket population and the pairs of lower
+    experts: p's sorted position. Each pair writes its (expert, rank, population) at that position into scratch.
+    Pass 2 (after a CTA barrier) reads the sorted scratch back as one vector: a block leader is a pair whose rank
+    is a multiple of BLOCK_M, its block index the running count of leaders (one tl.cumsum)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    BIG: tl.constexpr = 1 << 30
     p = tl.arange(0, NP)
     real = p < M
-    eid = tl.load(ids_ptr + p, mask=real, other=1 << 30).to(tl.int32)  # padding sorts last, matches nothing real
-    eid = tl.where(eid < 0, 1 << 30, eid)  # so does a pair with no expert (id -1): it is in no block
-    valid = real & (eid < (1 << 30))
-    same = eid[:, None] == eid[None, :]  # [NP (p), NP (q)]
-    lower = eid[None, :] < eid[:, None]  # q's expert sorts before p's
-    rank = tl.sum((same & (p[None, :] < p[:, None])).to(tl.int32), axis=1)  # stable rank of p in its bucket
-    count = tl.sum(same.to(tl.int32), axis=1)  # bucket population
-    n_lower = tl.sum(lower.to(tl.int32), axis=1)
-    pos = n_lower + rank  # stable sorted position
-    nblk = tl.where(valid & (rank == 0), (count + BLOCK_M - 1) // BLOCK_M, 0)  # bucket's blocks, on its rank-0 pair
-    blocks_before = tl.sum(tl.where(lower, nblk[None, :], 0), axis=1)
-    tl.store(sorted_pairs_ptr + pos, p, mask=real)  # the pairs with no expert last, in pair order
-    leader = valid & (rank % BLOCK_M == 0)
-    bidx = blocks_before + rank // BLOCK_M
-    tl.store(block_expert_ptr + bidx, eid, mask=leader)
-    tl.store(block_start_ptr + bidx, pos, mask=leader)
-    tl.store(block_count_ptr + bidx, tl.minimum(count - rank, BLOCK_M), mask=leader)
-    tl.store(num_blocks_ptr, tl.sum(nblk, axis=0))
+    eid = tl.load(ids_ptr + p, mask=real, other=BIG).to(tl.int32)  # padding sorts last, matches nothing real
+    eid = tl.where(eid < 0, BIG, eid)  # so does a pair with no expert (id -1): it is in no block
+    # (rank, population, lower) packed in 10-bit fields of one int32 (each <= NP <= 512 < 1024), accumulated
+    # elementwise over the chunks and reduced once at the end
+    acc = tl.zeros([NP, QB], dtype=tl.int32)
+    for q0 in tl.static_range(0, NP, QB):
+        q = q0 + tl.arange(0, QB)
+        eq = tl.load(ids_ptr + q, mask=q < M, other=BIG).to(tl.int32)
+        eq = tl.where(eq < 0, BIG, eq)
+        same = eid[:, None] == eq[None, :]  # [NP (p), QB (q)]
+        before = same & (q[None, :] < p[:, None])
+        lower = eq[None, :] < eid[:, None]
+        acc += before.to(tl.int32) + (same.to(tl.int32) << 10) + (lower.to(tl.int32) << 20)
+    packed = tl.sum(acc, axis=1)
+    rank = packed & 1023
+    count = (packed >> 10) & 1023
+    n_lower = (packed >> 20) & 1023
+    pos = n_lower + rank  # stable sorted position (the pairs with no expert last, in pair order)
+    tl.store(sorted_pairs_ptr + pos, p, mask=real)
+    tl.store(scratch_ptr + pos, eid, mask=real)
+    tl.store(scratch_ptr + NP + pos, rank, mask=real)
+    tl.store(scratch_ptr + 2 * NP + pos, count, mask=real)
+    tl.debug_barrier()  # the scratch writes of every thread are visible to the whole CTA after it
+    i = tl.arange(0, NP)
+    ri = i < M
+    se = tl.load(scratch_ptr + i, mask=ri, other=BIG, volatile=True)
+    sr = tl.load(scratch_ptr + NP + i, mask=ri, other=0, volatile=True)
+    sc = tl.load(scratch_ptr + 2 * NP + i, mask=ri, other=0, volatile=True)
+    leader = ri & (se < BIG) & (sr % BLOCK_M == 0)
+    lead = leader.to(tl.int32)
+    bidx = tl.cumsum(lead, axis=0) - 1
+    tl.store(block_expert_ptr + bidx, se, mask=leader)
+    tl.store(block_start_ptr + bidx, i, mask=leader)
+    tl.store(block_count_ptr + bidx, tl.minimum(sc - sr, BLOCK_M), mask=leader)
+    tl.store(num_blocks_ptr, tl.sum(lead, axis=0))
 
 
 def _align_buffers(num_pairs: int, max_blocks: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -462,12 +501,15 @@ def _align_buffers(num_pairs: int, max_blocks: int, device: torch.device) -> tup
 
 
 def moe_align_fwd(flat_ids: torch.Tensor, num_experts: int, block_m: int, pdl: bool) -> AlignedPairs:
-    """One-program pair-axis alignment for M <= MAX_ALIGN_PAIRS pairs (O(M^2) comparisons in registers)."""
+    """One-program pair-axis alignment for M <= MAX_ALIGN_PAIRS pairs (``moe_align_kernel``: O(M^2) comparisons
+    in chunks of ALIGN_CHUNK pairs, one scan); no host value, no torch sort: capture-safe."""
     num_pairs = flat_ids.numel()
+    assert num_pairs <= MAX_ALIGN_PAIRS <= 512, f"the one-program alignment takes at most {MAX_ALIGN_PAIRS} pairs"
     max_blocks = max_aligned_blocks(num_pairs, num_experts, block_m)
     bufs = _align_buffers(num_pairs, max_blocks, flat_ids.device)
     np2 = max(16, triton.next_power_of_2(num_pairs))
-    moe_align_kernel[(1,)](flat_ids, *bufs, num_pairs, BLOCK_M=block_m, NP=np2,
+    scratch = _empty((3 * np2,), torch.int32, flat_ids.device)
+    moe_align_kernel[(1,)](flat_ids, scratch, *bufs, num_pairs, BLOCK_M=block_m, NP=np2, QB=min(np2, ALIGN_CHUNK),
                            **_launch_kw(pdl, 4 if np2 <= 64 else 8))
     return AlignedPairs(*bufs, max_blocks=max_blocks, block_m=block_m)
 
@@ -643,6 +685,284 @@ def moe_combine_kernel(
     tl.store(out_ptr + tok * stride_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# w8a8: fp8 experts x fp8 activations (act_fp8=True)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _quant_e4m3(v, FP8_DOT: tl.constexpr):
+    """v [R, 128] fp32 -> (v * 2^-s in e4m3 (FP8_DOT; else its value in fp32: the interpreter), 2^s [R]):
+    per row the smallest power of two with amax / 2^s <= 448, from amax's bits (``naive.quantize_act_e4m3``)."""
+    amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-30)
+    bits = amax.to(tl.int32, bitcast=True)
+    se = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    scale = ((se + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - se) << 23).to(tl.float32, bitcast=True)
+    if FP8_DOT:
+        q = (v * inv[:, None]).to(tl.float8e4nv)
+    else:  # the interpreter (its fp8 cast drops the carry of a round-up into the exponent): the e4m3 value in fp32
+        q = _e4m3_rne_fp32(v * inv[:, None])
+    return q, scale
+
+
+@triton.jit
+def _e4m3_rne_fp32(v):
+    """|v| <= 448 rounded to the nearest e4m3 value (ties to even), in fp32: normals keep 3 mantissa bits (integer
+    rounding of the fp32 bits, the carry into the exponent included); below 2^-6 the e4m3 subnormal step 2^-9
+    (round to an integer with the 1.5 * 2^23 trick). Interpreter only (numpy evaluates it as written)."""
+    bits = v.to(tl.int32, bitcast=True)
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)  # -1048576 = ~0xFFFFF
+    magic = 12582912.0
+    sub = ((v * 512.0 + magic) - magic) * (1.0 / 512.0)
+    return tl.where(tl.abs(v) < 0.015625, sub, normal)
+
+
+@triton.jit
+def _w8a8_block(b, ids_ptr, sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_count_ptr,
+                BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
+    """The work item of program b: (expert, pair per row [BLOCK_M], row mask). DIRECT: pair b alone (no alignment
+    launch: T < 3); else block b of the alignment."""
+    rows = tl.arange(0, BLOCK_M)
+    if DIRECT:
+        e = tl.load(ids_ptr + b).to(tl.int64)
+        pair = tl.where(rows == 0, b, 0)
+        mr = (rows == 0) & (e >= 0)
+    else:
+        e = tl.load(block_expert_ptr + b).to(tl.int64)
+        start = tl.load(block_start_ptr + b)
+        count = tl.load(block_count_ptr + b)
+        mr = rows < count
+        pair = tl.load(sorted_pairs_ptr + start + rows, mask=mr, other=0)
+    return e, pair, mr
+
+
+@triton.jit
+def _prefetch_l2_rows(row_ptrs, ROW_BYTES: tl.constexpr, BL: tl.constexpr):
+    """``prefetch.global.L2`` of every 128-byte line of the rows at ``row_ptrs`` ([R] byte pointers, ROW_BYTES each):
+    no register result, no wait (compiled kernels only: inline PTX). BL: a power of two >= the lines per row."""
+    LINES: tl.constexpr = (ROW_BYTES + 127) // 128
+    j = tl.arange(0, BL)
+    ptrs = row_ptrs[:, None] + tl.where(j < LINES, j, 0)[None, :] * 128
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def moe_up_w8a8_kernel(
+    x_ptr, w13_ptr, s_ptr, ids_ptr, sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_count_ptr,
+    num_blocks_ptr, act_ptr,  # x [T, HIDDEN], w13 [E, 2I, HIDDEN] e4m3, s [E, 2*ceil(I/SB), ceil(HIDDEN/SB)]
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_at,
+    limit, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DIRECT: tl.constexpr, FP8_DOT: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_PDL: tl.constexpr,
+    SB: tl.constexpr = 128, SPLIT_K: tl.constexpr = 1, stride_as=0, num_experts=1,
+    PREFETCH_GROUPS: tl.constexpr = 0,
+):
+    """Swap-AB: acc [2 * BLOCK_N (gate rows, then up rows), BLOCK_M (pairs)] += (w13 tile [2 * BLOCK_N, SB] e4m3)
+    @ (x rows quantised per 128-K group to e4m3)^T, scaled by (weight block scale x the rows' group scales) once per
+    group; SwiGLU in the epilogue (SPLIT_K > 1: the partial sums instead)."""
+    pid = tl.program_id(0)
+    pid_n = pid // SPLIT_K
+    ks = pid - pid_n * SPLIT_K
+    b = tl.program_id(1)
+    if PREFETCH_GROUPS > 0:  # aligned: the router's ids are two launches back, complete before the wait; pair b's
+        # expert (the grid covers every pair, so every expert touched) is a hint for the first K groups of the tile
+        e_pf = tl.minimum(tl.maximum(tl.load(ids_ptr + b), 0), num_experts - 1).to(tl.int64)
+        r_pf = tl.arange(0, 2 * BLOCK_N)
+        n_pf = tl.minimum(pid_n * BLOCK_N + tl.where(r_pf >= BLOCK_N, r_pf - BLOCK_N, r_pf), INTER - 1)
+        rows_pf = tl.where(r_pf >= BLOCK_N, INTER + n_pf, n_pf)
+        KS_PF: tl.constexpr = ((HIDDEN + SB - 1) // SB + SPLIT_K - 1) // SPLIT_K * SB  # this split's first column
+        _prefetch_l2_rows(w13_ptr + e_pf * stride_we + rows_pf.to(tl.int64) * stride_wn + ks * KS_PF,
+                          PREFETCH_GROUPS * SB, PREFETCH_GROUPS)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if not DIRECT:
+        if b >= tl.load(num_blocks_ptr):
+            return
+    e, pair, mr = _w8a8_block(b, ids_ptr, sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_count_ptr,
+                              BLOCK_M, DIRECT)
+    if e < 0:  # no expert: no weight read; the pair's act row is never read either
+        return
+    tok = pair // TOPK
+    # One [2 * BLOCK_N, SB] weight tile per K step: rows r < BLOCK_N are gate rows, the rest the matching up rows
+    # (one dot, its operand straight from the load: the pipeliner streams it into shared memory).
+    r = tl.arange(0, 2 * BLOCK_N)
+    is_up = r >= BLOCK_N
+    offs_n = pid_n * BLOCK_N + tl.where(is_up, r - BLOCK_N, r)
+    mask_n = offs_n < INTER
+    w_rows = tl.where(is_up, INTER + offs_n, offs_n)
+    offs_k = tl.arange(0, SB)
+    w_ptrs = w13_ptr + e * stride_we + w_rows[:, None] * stride_wn + offs_k[None, :]  # [2 * BLOCK_N, SB]
+    x_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]  # [BLOCK_M, SB]
+    up_row0: tl.constexpr = (INTER + SB - 1) // SB
+    nb = (pid_n * BLOCK_N) // SB  # BLOCK_N divides SB: one scale row per half
+    sg_ptr = s_ptr + e * stride_se + nb * stride_sn
+    su_ptr = sg_ptr + up_row0 * stride_sn
+    acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = HIDDEN
+    else:
+        K_SPLIT: tl.constexpr = ((HIDDEN + SB - 1) // SB + SPLIT_K - 1) // SPLIT_K * SB  # K columns per split
+        k_lo = ks * K_SPLIT
+        k_hi = tl.minimum(k_lo + K_SPLIT, HIDDEN)
+    for k0 in tl.range(k_lo, k_hi, SB, num_stages=NUM_STAGES):
+        mk = (k0 + offs_k) < HIDDEN
+        w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mk[None, :], other=0.0)
+        xv = tl.load(x_ptrs + k0, mask=mr[:, None] & mk[None, :], other=0.0).to(tl.float32)
+        xq, xs = _quant_e4m3(xv, FP8_DOT)
+        if not FP8_DOT:  # the interpreter: fp32 operands (its dot on fp8 bits is not the e4m3 product)
+            w = w.to(tl.float32)
+        ws = tl.where(is_up, tl.load(su_ptr + k0 // SB), tl.load(sg_ptr + k0 // SB))  # [2 * BLOCK_N]
+        acc += tl.dot(w, tl.trans(xq)) * (ws[:, None] * xs[None, :])
+    acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < INTER
+    m = mask_n[:, None] & mr[None, :]
+    if SPLIT_K == 1:
+        act = _swiglu(acc_g, acc_u, limit, HAS_LIMIT)
+        tl.store(act_ptr + pair[None, :] * stride_at + offs_n[:, None], act, mask=m)
+    else:  # this split's partial gate | up sums, act [SPLIT_K, M, 2I]: the down kernel sums them and applies SwiGLU
+        part = act_ptr + ks * stride_as + pair[None, :] * stride_at + offs_n[:, None]
+        tl.store(part, acc_g, mask=m)
+        tl.store(part + INTER, acc_u, mask=m)
+
+
+@triton.jit
+def moe_down_w8a8_kernel(
+    act_ptr, w2_ptr, s_ptr, tw_ptr, ids_ptr, sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_count_ptr,
+    num_blocks_ptr, y_ptr,  # act [M, INTER] fp32, w2 [E, HIDDEN, INTER] e4m3, y [M, HIDDEN] fp32 (weighted rows)
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_yp,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, DIRECT: tl.constexpr,
+    FP8_DOT: tl.constexpr, USE_PDL: tl.constexpr, SB: tl.constexpr = 128, PREFETCH: tl.constexpr = False,
+    PF_LINES: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1, stride_as=0, limit=0.0, HAS_LIMIT: tl.constexpr = False,
+):
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1)
+    # Work list and routing weights: two or more launches back (the module docstring).
+    if not DIRECT:
+        if b >= tl.load(num_blocks_ptr):
+            return
+    e, pair, mr = _w8a8_block(b, ids_ptr, sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_count_ptr,
+                              BLOCK_M, DIRECT)
+    if e < 0:
+        return
+    rw = tl.load(tw_ptr + pair, mask=mr, other=0.0).to(tl.float32)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < HIDDEN
+    if PREFETCH:  # the weights need nothing from the up kernel: pull this program's tile into L2 before the wait
+        _prefetch_l2_rows(w2_ptr + e * stride_we + tl.where(mask_n, offs_n, 0).to(tl.int64) * stride_wn, INTER,
+                          PF_LINES)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_k = tl.arange(0, SB)
+    w_ptrs = w2_ptr + e * stride_we + offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, SB]
+    a_ptrs = act_ptr + pair[:, None] * stride_at + offs_k[None, :]  # [BLOCK_M, SB]
+    s_row = s_ptr + e * stride_se + ((pid_n * BLOCK_N) // SB) * stride_sn
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in tl.range(0, INTER, SB, num_stages=NUM_STAGES):
+        mk = (k0 + offs_k) < INTER
+        w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mk[None, :], other=0.0)
+        ma = mr[:, None] & mk[None, :]
+        if SPLIT_K == 1:
+            av = tl.load(a_ptrs + k0, mask=ma, other=0.0)
+        else:  # the up kernel's partial sums, added in split order, then SwiGLU
+            g = tl.load(a_ptrs + k0, mask=ma, other=0.0)
+            u = tl.load(a_ptrs + INTER + k0, mask=ma, other=0.0)
+            for sp in tl.static_range(1, SPLIT_K):
+                g += tl.load(a_ptrs + sp * stride_as + k0, mask=ma, other=0.0)
+                u += tl.load(a_ptrs + sp * stride_as + INTER + k0, mask=ma, other=0.0)
+            av = _swiglu(g, u, limit, HAS_LIMIT)
+        aq, as_ = _quant_e4m3(av, FP8_DOT)
+        if not FP8_DOT:  # the interpreter: fp32 operands (its dot on fp8 bits is not the e4m3 product)
+            w = w.to(tl.float32)
+        acc += tl.dot(w, tl.trans(aq)) * (tl.load(s_row + k0 // SB) * as_)[None, :]
+    acc = acc * rw[None, :]
+    tl.store(y_ptr + pair[None, :] * stride_yp + offs_n[:, None], acc, mask=mask_n[:, None] & mr[None, :])
+
+
+# L2 prefetch before the PDL wait, off: the down kernel its program's w2 tile (W8A8_PREFETCH), the aligned up
+# kernel the first W8A8_PREFETCH_UP_GROUPS 128-column groups of its w13 tile (by pair b's expert, a hint). Measured
+# on the H200 (benchmarks/results/moe-2026-12-02): slower at every T (T = 6: 91.8 us with both, 90.0 with the down
+# one alone, 84.0 with none; T = 17: 205 / 198 / 191 us), so neither is compiled in by default.
+W8A8_PREFETCH = False
+W8A8_PREFETCH_UP_GROUPS = 0
+
+
+def _up_prefetch_groups(hidden: int, split: int) -> int:
+    """A power of two <= W8A8_PREFETCH_UP_GROUPS and <= one split's 128-column groups whole (every prefetched line
+    inside the split's columns of the row), 0 for none."""
+    groups = hidden // FP8_BLOCK // split
+    g = W8A8_PREFETCH_UP_GROUPS
+    while g > groups:
+        g //= 2
+    return g
+
+
+def _w8a8_tile_check(tile: MoETile) -> None:
+    assert FP8_BLOCK % tile.block_n == 0, "w8a8 tiles: BLOCK_N must divide the 128-row scale blocks"
+    assert tile.split_k >= 1
+    assert tile.block_k == FP8_BLOCK, "w8a8 tiles: BLOCK_K is the 128-column activation group"
+
+
+
+
+def fused_experts_w8a8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                       topk_weights: torch.Tensor, swiglu_limit: float, residual: torch.Tensor | None,
+                       shared_out: torch.Tensor | None, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+                       out: torch.Tensor, cfg: MoEConfig, pdl: bool, align: str | None = None) -> torch.Tensor:
+    """The w8a8 experts (``naive.fused_experts_w8a8``'s arithmetic): up, down, combine; for T*k pairs under
+    ALIGNED_MIN_TOKENS tokens one program column per pair (no alignment launch), else the alignment's blocks."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[1]
+    _w8a8_tile_check(cfg.up)
+    _w8a8_tile_check(cfg.down)
+    flat_ids = topk_ids.view(-1)
+    num_pairs = flat_ids.numel()
+    direct = num_tokens < ALIGNED_MIN_TOKENS and align is None
+    if direct:
+        meta = (flat_ids, flat_ids, flat_ids, flat_ids, flat_ids)  # (ids, sorted_pairs, expert, start, count)
+        num_blocks, grid_m, block_m = flat_ids, num_pairs, 16
+    else:
+        block_m = cfg.block_m
+        align = align or ("triton" if num_pairs <= MAX_ALIGN_PAIRS else "torch")
+        al = (moe_align_fwd(flat_ids, num_experts, block_m, pdl) if align == "triton"
+              else moe_align_torch(flat_ids, num_experts, block_m))
+        meta = (flat_ids, al.sorted_pairs, al.block_expert, al.block_start, al.block_count)
+        num_blocks, grid_m = al.num_blocks, al.max_blocks
+    fp8_dot = not _interpreting()
+    split = cfg.up.split_k
+    # split-K: [split, M, 2I] partial gate | up sums (SwiGLU in the down kernel); else act [M, I]
+    act = _empty((split, num_pairs, two_inter) if split > 1 else (num_pairs, inter), torch.float32, x.device)
+    stride_as = act.stride(0) if split > 1 else 0
+    stride_at = act.stride(-2)
+    moe_up_w8a8_kernel[(triton.cdiv(inter, cfg.up.block_n) * split, grid_m)](
+        x, w13, w13_scale, *meta, num_blocks, act, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1),
+        w13_scale.stride(0), w13_scale.stride(1), stride_at, float(swiglu_limit),
+        TOPK=top_k, BLOCK_M=block_m, BLOCK_N=cfg.up.block_n, NUM_STAGES=cfg.up.num_stages, DIRECT=direct,
+        FP8_DOT=fp8_dot, HAS_LIMIT=swiglu_limit > 0, SB=FP8_BLOCK, SPLIT_K=split, stride_as=stride_as,
+        num_experts=num_experts,
+        PREFETCH_GROUPS=_up_prefetch_groups(hidden, split) if fp8_dot and not direct and grid_m <= num_pairs else 0,
+        **_launch_kw(pdl, cfg.up.num_warps, cfg.up.num_stages),
+    )
+    y = _empty((num_pairs, hidden), torch.float32, x.device)
+    moe_down_w8a8_kernel[(triton.cdiv(hidden, cfg.down.block_n), grid_m)](
+        act, w2, w2_scale, topk_weights.view(-1), *meta, num_blocks, y, hidden, inter, stride_at, w2.stride(0),
+        w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), y.stride(0),
+        BLOCK_M=block_m, BLOCK_N=cfg.down.block_n, NUM_STAGES=cfg.down.num_stages, DIRECT=direct, FP8_DOT=fp8_dot,
+        SB=FP8_BLOCK, PREFETCH=fp8_dot and W8A8_PREFETCH,
+        PF_LINES=triton.next_power_of_2(triton.cdiv(inter, 128)), SPLIT_K=split, stride_as=stride_as,
+        limit=float(swiglu_limit), HAS_LIMIT=swiglu_limit > 0,
+        **_launch_kw(pdl, cfg.down.num_warps, cfg.down.num_stages),
+    )
+    return moe_combine_fwd(y, flat_ids, top_k, shared_out, residual, out, cfg.combine, pdl)
+
+
 # UPCAST_DOT: the Triton 3.6 interpreter computes tl.dot on bf16 operands from their raw bits (garbage); in the
 # interpreter the operands are upcast to fp32 first. Compiled kernels keep bf16 operands (tensor cores, fp32 acc).
 
@@ -723,7 +1043,7 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
                          shared_out: torch.Tensor | None = None, *, mode: str | None = None,
                          config: MoEConfig | None = None, align: str | None = None,
                          out: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
-                         w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                         w2_scale: torch.Tensor | None = None, act_fp8: bool = False) -> torch.Tensor:
     """``[residual +] [shared_out +] sum_k topk_weights * expert_k(x)`` accumulated in fp32, returned in x's dtype.
 
     x [T, d]; w13 [E, 2I, d] (gate rows, then up rows); w2 [E, d, I]; topk_ids [T, k] (int32/int64);
@@ -742,6 +1062,18 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     assert w13.stride(-1) == 1 and w2.stride(-1) == 1, "expert weights must be contiguous along their last dim"
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens
     fp8 = w13_scale is not None
+    if act_fp8:  # w8a8: fp8 experts x e4m3 activations (per token, per 128-K group), tiles of kind "fp8_w8a8"
+        assert fp8 and w2_scale is not None, "act_fp8 needs fp8 experts (w13_scale, w2_scale)"
+        if out is None:
+            out = _empty((num_tokens, hidden), x.dtype, x.device)
+        if num_tokens == 0:
+            return out
+        cfg = config if config is not None else get_config(num_tokens, "fp8_w8a8")
+        return fused_experts_w8a8(
+            x.contiguous(), w13, w2, topk_ids.contiguous(), topk_weights.contiguous(), swiglu_limit,
+            residual.contiguous() if residual is not None else None,
+            shared_out.contiguous() if shared_out is not None else None, w13_scale, w2_scale, out, cfg,
+            pdl_enabled(x.device), align)
     if fp8:
         mode = mode or ("direct" if num_tokens * top_k <= FP8_DIRECT_MAX_PAIRS else "aligned")
     else:
