@@ -117,7 +117,8 @@ def run_mode(args, path: str, spec: dict) -> dict:
     server_args = ServerArgs(model_path=path, load_format="dummy", device="cuda", dtype="bfloat16",
                              json_model_override_args=json.dumps({"num_hidden_layers": args.num_layers}),
                              context_length=args.input_len + args.output_len + 64, spec=SpecConfig(**spec),
-                             quantization=args.quantization, tp_size=args.tp_size,
+                             quantization=args.quantization, fp8_activation_scheme=args.fp8_activation_scheme,
+                             tp_size=args.tp_size,
                              enable_fp8_draft_lm_head=args.enable_fp8_draft_lm_head)
     if args.tp_size > 1:
         from baton.engine.tp import run_tp
@@ -152,6 +153,9 @@ def main() -> None:
     p.add_argument("--quantization", default=None, choices=["fp8", "fp8-experts"],
                    help="fp8: experts and dense projections in fp8; fp8-experts: the experts only (the whole 42-layer "
                         "model + MTP fits one H200 either way: about 133 GB with fp8 experts and bf16 dense layers)")
+    p.add_argument("--fp8-activation-scheme", default=None, choices=["dynamic", "none"],
+                   help="fp8 weights: dynamic = w8a8 (activations quantised per token and 128 channels), none = "
+                        "w8a16 (default: none, as baton serve for an at-load quantised checkpoint)")
     p.add_argument("--enable-fp8-draft-lm-head", action="store_true",
                    help="NEXTN drafts take their logits from an fp8 copy of the lm_head (the verify's unchanged)")
     p.add_argument("--nextn-accept", type=float, default=3.25, help="nextn: simulated accept length")
@@ -175,12 +179,14 @@ def main() -> None:
         record[name] = run_mode(args, path, modes[name])
         print(name, json.dumps({k: v for k, v in record[name].items() if k not in ("runs", "census")}))
     record["quantization"] = args.quantization
+    record["fp8_activation_scheme"] = args.fp8_activation_scheme
     record["tp_size"] = args.tp_size
     record["fp8_draft_lm_head"] = args.enable_fp8_draft_lm_head
     tp = f"_tp{args.tp_size}" if args.tp_size > 1 else ""
     tp += "_fp8head" if args.enable_fp8_draft_lm_head else ""
     modes = "" if names == ["plain", "nextn", "dspark"] else "_" + "-".join(names)
     quant = {None: "", "fp8": "_fp8", "fp8-experts": "_fp8experts"}[args.quantization]
+    quant += "_w8a8" if args.fp8_activation_scheme == "dynamic" else ""
     save(f"ling_flash_{args.num_layers}l{quant}{tp}{modes}", record)
 
 

@@ -201,6 +201,18 @@ JOBS: list[Job] = [
                                 "and a random DSpark draft (block 16, 2 layers) at 9.95, one process, a census each",
         commands=(ling(42, "--quantization fp8 --modes plain,nextn,dspark --enable-fp8-draft-lm-head"),),
         gpus=1, limit_s=560, outputs=("ling_flash_*.json",)),
+    Job("ling-flash-w8a8-modes", "ling-flash-fp8-modes with fp8 activations (--fp8-activation-scheme dynamic: "
+                                 "w8a8, the seed's numerics), NEXTN first",
+        commands=(ling(42, "--quantization fp8 --fp8-activation-scheme dynamic --modes nextn,dspark,plain "
+                           "--enable-fp8-draft-lm-head"),),
+        gpus=1, limit_s=560, outputs=("ling_flash_*.json",)),
+    Job("new-kernel-gpu-tests", "this session's kernels on the GPU: the batched KDA state commit, w8a8 dense and "
+                                "MoE, the MoE work list, fp8 dense and decode GEMMs",
+        commands=(f"set -o pipefail; {PYTEST} -n 8 -m gpu tests/ops/test_state_commit.py tests/ops/test_fp8_w8a8.py "
+                  "tests/ops/test_moe_w8a8.py tests/ops/test_moe_triton.py tests/ops/test_moe_fp8.py "
+                  "tests/ops/test_moe_active_rows.py tests/models/test_fp8_dense.py --junitxml=$R/junit.xml "
+                  "2>&1 | tee $R/tests.log",),
+        gpus=1, limit_s=240, outputs=("junit.xml",)),
     Job("ling-flash-tp2", "the whole model in bf16 at TP2, plain and NEXTN, with rank 0's census",
         commands=(ling(42, "--tp-size 2 --modes plain,nextn"),),
         gpus=2, limit_s=300, env={**TP_ENV, "BATON_TP_ALLREDUCE": "auto"}, stop_signal="ABRT",
