@@ -208,7 +208,7 @@ JOBS: list[Job] = [
         gpus=1, limit_s=560, outputs=("ling_flash_*.json",)),
     Job("new-kernel-gpu-tests", "this session's kernels on the GPU: the batched KDA state commit, w8a8 dense and "
                                 "MoE, the MoE work list, fp8 dense and decode GEMMs",
-        commands=(f"set -o pipefail; {PYTEST} -n 8 -m gpu tests/ops/test_state_commit.py tests/ops/test_fp8_w8a8.py "
+        commands=(f"set -o pipefail; {PYTEST} -n 3 -m gpu tests/ops/test_state_commit.py tests/ops/test_fp8_w8a8.py "
                   "tests/ops/test_moe_w8a8.py tests/ops/test_moe_triton.py tests/ops/test_moe_fp8.py "
                   "tests/ops/test_moe_active_rows.py tests/models/test_fp8_dense.py --junitxml=$R/junit.xml "
                   "2>&1 | tee $R/tests.log",),
