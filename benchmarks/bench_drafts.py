@@ -140,10 +140,18 @@ def run_config(args: argparse.Namespace, label: str, spec: dict[str, Any], test:
     t0 = time.perf_counter()
     engine = TimedEngine(Engine(server_args))
     if args.fp8_target:  # the target's MLP (or every dense) weights through fp8 (in place: graphs see the new values)
-        from baton.layers.fake_quant import fake_quantize_dense_fp8, fake_quantize_mlp_fp8
+        from baton.layers.fake_quant import (
+            fake_quantize_activations_fp8,
+            fake_quantize_dense_fp8,
+            fake_quantize_mlp_fp8,
+        )
 
-        (fake_quantize_dense_fp8 if args.fp8_target == "dense" else fake_quantize_mlp_fp8)(engine.engine.model)
-        label += " [fp8 dense target]" if args.fp8_target == "dense" else " [fp8 target]"
+        model = engine.engine.model
+        (fake_quantize_mlp_fp8 if args.fp8_target == "mlp" else fake_quantize_dense_fp8)(model)
+        if args.fp8_target == "dense-w8a8":
+            fake_quantize_activations_fp8(model)
+        label += {"mlp": " [fp8 target]", "dense": " [fp8 dense target]",
+                  "dense-w8a8": " [fp8 dense w8a8 target]"}[args.fp8_target]
     load_s = time.perf_counter() - t0
     client = EngineClient(engine, label)
     rows, runs = [], {}
@@ -238,10 +246,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context-length", type=int, default=None, help="default: the model's")
     p.add_argument("--seed", type=int, default=0, help="question i samples with seed + i (default %(default)s)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured requests per engine and temperature")
-    p.add_argument("--fp8-target", nargs="?", const="mlp", default=None, choices=["mlp", "dense"],
+    p.add_argument("--fp8-target", nargs="?", const="mlp", default=None, choices=["mlp", "dense", "dense-w8a8"],
                    help="the target's MLP weights rounded through fp8 e4m3 with 128 x 128 block scales (the dense "
                         "stand-in for fp8 experts): the drafts' accept length against an fp8 target; 'dense': every "
-                        "dense projection (attention too; the stand-in for --quantization fp8), lm_head excepted")
+                        "dense projection (attention too; the stand-in for --quantization fp8), lm_head excepted; "
+                        "'dense-w8a8': that, and every projection's input rounded through e4m3 per row and 128 "
+                        "columns (--fp8-activation-scheme dynamic)")
     p.add_argument("--output-name", default="drafts_gsm8k", help="results file stem (default %(default)s)")
     return p.parse_args(argv)
 
@@ -279,7 +289,8 @@ def main(argv: list[str] | None = None) -> Path:
     head = (f"GSM8K, {len(test)} questions, {args.num_shots}-shot, max {args.max_new_tokens} new tokens, "
             f"{args.device} {args.dtype}{', no CUDA graphs' if args.disable_cuda_graph else ''}"
             f"{', target MLP weights through fp8' if args.fp8_target == 'mlp' else ''}"
-            f"{', every dense target weight through fp8' if args.fp8_target == 'dense' else ''}; "
+            f"{', every dense target weight through fp8' if args.fp8_target == 'dense' else ''}"
+            f"{', every dense target weight and its input through fp8' if args.fp8_target == 'dense-w8a8' else ''}; "
             f"commit {record['env']['commit']}\n\n")
     md.write_text(head + table)
     print(table)

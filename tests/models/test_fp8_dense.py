@@ -468,3 +468,27 @@ def test_fp8_activation_scheme_follows_the_checkpoint_unless_given(ling_path):
     assert cfg.fp8_activations
     with pytest.raises(ConfigError, match="fp8-activation-scheme"):
         apply_quantization(cfg, "fp8", "static")
+
+
+def test_fake_quantize_activations_fp8_rounds_every_projection_input():
+    """The CPU emulation of w8a8 for models without fp8 layers: each projection sees its input (after the fused
+    RMSNorm) rounded through e4m3 per row and 128 columns, exactly as the w8a8 reference does."""
+    from baton.layers.fake_quant import fake_quantize_activations_fp8
+    from baton.ops.fp8_linear.naive import dequantize_act_groups, quantize_act_groups
+    from baton.ops.linear import naive as dense
+    from baton.ops.rmsnorm.naive import rms_norm
+
+    torch.manual_seed(0)
+    m = Linear(200, 24, dtype=torch.float32)
+    torch.nn.init.normal_(m.weight)
+    holder = torch.nn.ModuleDict({"proj": m})
+    x, norm = torch.randn(3, 200), torch.rand(200) + 0.5
+    plain = m.linear(x, norm, 1e-6)
+    assert fake_quantize_activations_fp8(holder) == 1
+    got = m.linear(x, norm, 1e-6)
+    h = rms_norm(x, norm, 1e-6)
+    want = dequantize_act_groups(*quantize_act_groups(h)) @ m.weight.t()
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, plain, rtol=1e-4, atol=1e-4)
+    swi = m.linear_swiglu(x, norm, 1e-6)
+    assert torch.allclose(swi, dense.swiglu(want, 0.0), rtol=1e-5, atol=1e-5)
