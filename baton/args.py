@@ -51,6 +51,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the output is unchanged; only the drafts (and the accept length) may differ")
     g.add_argument("--enable-fp32-router", action="store_true",
                    help="run the MoE router gate in fp32 (default: the model dtype, as the seed's final config)")
+    g.add_argument("--disable-radix-cache", action="store_true",
+                   help="turn the prefix cache off: every request prefills its whole prompt")
+    g.add_argument("--max-total-tokens", type=int, default=None,
+                   help="prefix cache: attention-cache rows it may hold, in tokens (SGLang's pool size; default "
+                        "65536 on CUDA, 32768 on the CPU)")
+    g.add_argument("--max-mamba-cache-size", type=int, default=None,
+                   help="prefix cache: recurrent (KDA) state snapshots it may hold (SGLang's mamba state slots; "
+                        "default 16 on CUDA, 64 on the CPU; about 147 MB each for Ling-3.0-flash)")
+    g.add_argument("--prefix-snapshot-stride", type=int, default=4096,
+                   help="prefix cache: snapshot the recurrent state every this many prompt tokens during a prefill "
+                        "(a multiple of 64, the KDA chunk; 0: only at the end of the prompt and of the request)")
     g.add_argument("--mem-fraction-static", type=float, default=None, help="accepted for SGLang compatibility")
     s = p.add_argument_group("speculative decoding")
     s.add_argument("--speculative-algorithm", default=None,

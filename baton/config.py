@@ -320,6 +320,10 @@ class ServerArgs:
     enable_fp32_lm_head: bool = False  # keep an fp32 copy of the lm_head (default: the model dtype)
     enable_fp32_router: bool = False  # keep the MoE router gate in fp32 (default: the model dtype)
     enable_fp8_draft_lm_head: bool = False  # drafts' logits from an fp8 copy of the lm_head (the verify's unchanged)
+    disable_radix_cache: bool = False  # prefix cache off (baton/cache/prefix.py): every request starts empty
+    max_total_tokens: int | None = None  # prefix cache: cached attention rows, in tokens (None: device default)
+    max_mamba_cache_size: int | None = None  # prefix cache: recurrent-state snapshots kept (None: device default)
+    prefix_snapshot_stride: int = 4096  # prefix cache: recurrent-state snapshot every this many prompt tokens
     quantization: str | None = None  # QUANTIZATION_METHODS: "fp8" experts + dense, "fp8-experts" (quantised at load)
     fp8_activation_scheme: str | None = None  # FP8_ACTIVATION_SCHEMES; None: the checkpoint's, else the default
     spec: SpecConfig = field(default_factory=SpecConfig)

@@ -71,6 +71,7 @@ class StepOutput:
     finish_reason: dict | None = None  # SGLang style: {"type": "stop"|"length"|"abort", "matched": ...}
     num_verify_steps: int = 0  # spec_verify_ct so far
     simulated: bool = False  # accepted counts were forced by --speculative-simulate-accept-len
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache (set on the request's first output)
 
 
 @dataclass

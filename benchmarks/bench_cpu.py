@@ -48,6 +48,7 @@ def baton_run(engine, ids: list[int], new_tokens: int) -> dict:
     from baton.types import Request, SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
+    engine.flush_cache()  # every request prefills in full (llama.cpp's context is reset before each one too)
     t0 = time.perf_counter()
     ttft, tokens, verify = None, [], 0
     for out in engine.generate(Request(list(ids), sp)):

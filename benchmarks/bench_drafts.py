@@ -136,6 +136,7 @@ def run_config(args: argparse.Namespace, label: str, spec: dict[str, Any], test:
     from baton.engine.engine import Engine
 
     server_args = ServerArgs(device=args.device, dtype=args.dtype, disable_cuda_graph=args.disable_cuda_graph,
+                             disable_radix_cache=True,  # TTFTs comparable with the runs before the prefix cache
                              context_length=args.context_length, seed=args.seed, spec=SpecConfig(**spec))
     t0 = time.perf_counter()
     engine = TimedEngine(Engine(server_args))

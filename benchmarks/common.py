@@ -42,24 +42,33 @@ def env_card() -> dict:
     return card
 
 
-def timed_request(engine, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = True) -> dict:
+def timed_request(engine, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = True,
+                  cold: bool = True) -> dict:
     """One greedy request through Engine.generate: TTFT, TPOT excluding the first token (bench_serving's
-    definition), tokens, verify steps. ``ignore_eos=False`` ends it at EOS, as a user's request would."""
+    definition: timed to the last token, so the engine's work after it, e.g. recording the request in the prefix
+    cache, is not counted), tokens, verify steps, the prompt tokens the prefix cache restored. ``ignore_eos=False``
+    ends it at EOS, as a user's request would. ``cold`` (default): the engine's caches are flushed first, so a
+    repeated prompt prefills in full (benchmarks/bench_prefix_cache.py times the cached case with cold=False)."""
     from baton.types import Request, SamplingParams
 
+    if cold:
+        engine.flush_cache()
     sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=ignore_eos)
     t0 = time.perf_counter()
-    ttft, n, verify = None, 0, 0
+    ttft = last = None
+    n, verify, cached = 0, 0, 0
     for out in engine.generate(Request(list(prompt_ids), sp)):
+        last = time.perf_counter()
         if ttft is None and out.token_ids:
-            ttft = time.perf_counter() - t0
+            ttft = last - t0
+            cached = getattr(out, "cached_tokens", 0)
         n += len(out.token_ids)
         verify = out.num_verify_steps
-    latency = time.perf_counter() - t0
+    latency = last - t0
     tpot = (latency - ttft) / (n - 1) if n > 1 else float("nan")
     return {"ttft_ms": 1e3 * ttft, "tpot_ms": 1e3 * tpot, "latency_s": latency, "output_tokens": n,
             "verify_steps": verify, "accept_length": n / verify if verify else None,
-            "decode_tok_s": (n - 1) / (latency - ttft) if n > 1 else None}
+            "decode_tok_s": (n - 1) / (latency - ttft) if n > 1 else None, "cached_tokens": cached}
 
 
 def summarize(runs: list[dict], key: str) -> dict:

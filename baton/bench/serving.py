@@ -1,10 +1,12 @@
 """A bench_serving-compatible async client: SGLang's ``bench_serving`` for baton (``baton bench``).
 
-Owns the serving benchmark: the datasets (``random``, ``random-ids``, ``gsm8k``), one request function per
-backend family (native ``/generate``, OpenAI completions, OpenAI chat), the request schedule (Poisson or
-all-at-once arrivals, a concurrency cap, warmup), the metrics (``calculate_metrics``), SGLang's results table,
-its JSONL line and an optional PNG. Payloads, timing and metric definitions follow SGLang's client exactly, so
-numbers are comparable across baton, SGLang, vLLM and any OpenAI-compatible server. Only the endpoints that
+Owns the serving benchmark: the datasets (``random``, ``random-ids``, ``gsm8k``, SGLang's
+``generated-shared-prefix``, and ``multi-turn``: conversations whose every turn resends the conversation so far,
+timed per turn with the server's prefix cache holding the previous turn and again after a /flush_cache), one
+request function per backend family (native ``/generate``, OpenAI completions, OpenAI chat), the request schedule
+(Poisson or all-at-once arrivals, a concurrency cap, warmup), the metrics (``calculate_metrics``), SGLang's results
+table, its JSONL line and an optional PNG. Payloads, timing and metric definitions follow SGLang's client exactly,
+so numbers are comparable across baton, SGLang, vLLM and any OpenAI-compatible server. Only the endpoints that
 client uses are touched (/v1/models, /model_info, /server_info, /flush_cache and the generation routes), and a
 missing /model_info or /server_info is tolerated.
 
@@ -42,7 +44,7 @@ BACKEND_PATHS = {
     "vllm": "/v1/completions",
     "vllm-chat": "/v1/chat/completions",
 }
-DATASETS = ("random", "random-ids", "gsm8k")
+DATASETS = ("random", "random-ids", "gsm8k", "generated-shared-prefix", "multi-turn")
 NATIVE_BACKENDS = ("sglang", "sglang-native")
 CHAT_BACKENDS = ("sglang-oai-chat", "vllm-chat")
 # Under speculative decoding an OpenAI chunk carries several tokens; SGLang splits its gap by re-encoding.
@@ -97,6 +99,8 @@ class RequestOutput:
     output_len: int = 0
     error: str = ""
     start_time: float = 0.0
+    cached_tokens: int | None = None  # the server's prefix-cache hit (meta_info / usage), when it says
+    output_ids: list[int] | None = None  # native backends: the generated token ids
 
 
 @dataclass
@@ -177,6 +181,16 @@ def add_bench_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--disable-tqdm", action="store_true")
     a("--header", action="append", default=None, metavar="K=V", help="extra HTTP header (repeatable)")
     a("--tag", default=None, help="stored in the JSONL line")
+    # generated-shared-prefix (SGLang's names) and multi-turn
+    a("--gsp-num-groups", type=int, default=64, help="system prompts (groups)")
+    a("--gsp-prompts-per-group", type=int, default=16, help="questions per system prompt")
+    a("--gsp-system-prompt-len", type=int, default=2048, help="tokens of each system prompt")
+    a("--gsp-question-len", type=int, default=128, help="tokens of each question")
+    a("--gsp-output-len", type=int, default=256, help="output tokens of each request")
+    a("--multi-turn-num-turns", type=int, default=4,
+      help="turns per conversation (--num-prompts conversations; the first turn's prompt has "
+           "--random-input-len tokens, each turn --random-output-len output tokens)")
+    a("--multi-turn-user-len", type=int, default=100, help="tokens of each follow-up user message")
     return parser
 
 
@@ -337,9 +351,36 @@ def sample_gsm8k_requests(
     return rows
 
 
+def _random_ids(tokenizer: Tokenizer, n: int) -> list[int]:
+    pool = np.array(sorted(set(range(int(tokenizer.vocab_size))) - special_token_ids(tokenizer)), dtype=np.int64)
+    return pool[np.random.randint(0, len(pool), size=n)].tolist()
+
+
+def sample_generated_shared_prefix_requests(args: argparse.Namespace, tokenizer: Tokenizer,
+                                            return_text: bool = True) -> list[DatasetRow]:
+    """SGLang's ``generated-shared-prefix``: ``--gsp-num-groups`` random system prompts, each followed by
+    ``--gsp-prompts-per-group`` random questions (random non-special ids), group by group."""
+    rows = []
+    for _ in range(args.gsp_num_groups):
+        system = _random_ids(tokenizer, args.gsp_system_prompt_len)
+        for _ in range(args.gsp_prompts_per_group):
+            ids = system + _random_ids(tokenizer, args.gsp_question_len)
+            prompt = _decode(tokenizer, ids) if return_text else ids
+            n = _text_prompt_len(tokenizer, prompt) if return_text else len(ids)
+            rows.append(DatasetRow(prompt, n, args.gsp_output_len))
+    print(f"#Input tokens: {sum(r.prompt_len for r in rows)}")
+    print(f"#Output tokens: {sum(r.output_len for r in rows)}")
+    return rows
+
+
 def build_dataset(args: argparse.Namespace, tokenizer: Tokenizer) -> list[DatasetRow]:
     return_text = not args.tokenize_prompt
-    if args.dataset_name == "gsm8k":
+    if args.dataset_name == "generated-shared-prefix":
+        rows = sample_generated_shared_prefix_requests(args, tokenizer, return_text)
+    elif args.dataset_name == "multi-turn":  # the first turns; the rest are built as the answers come
+        rows = sample_random_requests(args.random_input_len, args.random_output_len, args.num_prompts, 1.0,
+                                      tokenizer, random_sample=True, return_text=return_text)
+    elif args.dataset_name == "gsm8k":
         raw = args.apply_chat_template or args.backend in CHAT_BACKENDS
         rows = sample_gsm8k_requests(
             args.dataset_path, args.num_prompts, args.random_output_len, tokenizer, raw, return_text
@@ -407,6 +448,7 @@ class _NativeHandler:
         self.last_len = 0
 
     def chunk(self, data: dict[str, Any], t: float, out: RequestOutput) -> None:
+        _native_extras(data, out)
         text = data.get("text")
         if not text:
             return
@@ -422,8 +464,23 @@ class _NativeHandler:
         self.last_t, self.last_len = t, out.output_len
 
     def final(self, body: dict[str, Any], out: RequestOutput) -> None:
+        _native_extras(body, out)
         out.generated_text = body.get("text") or ""
         out.output_len = int((body.get("meta_info") or {}).get("completion_tokens", out.output_len))
+
+
+def _native_extras(data: dict[str, Any], out: RequestOutput) -> None:
+    meta = data.get("meta_info") or {}
+    if "cached_tokens" in meta:
+        out.cached_tokens = int(meta["cached_tokens"])
+    if isinstance(data.get("output_ids"), list):
+        out.output_ids = list(data["output_ids"])
+
+
+def _openai_cached(data: dict[str, Any], out: RequestOutput) -> None:
+    details = (data.get("usage") or {}).get("prompt_tokens_details") or {}
+    if details.get("cached_tokens") is not None:
+        out.cached_tokens = int(details["cached_tokens"])
 
 
 class _OpenAIHandler:
@@ -441,6 +498,7 @@ class _OpenAIHandler:
         return reasoning + (part.get("content") or "")
 
     def chunk(self, data: dict[str, Any], t: float, out: RequestOutput) -> None:
+        _openai_cached(data, out)
         out.output_len = int((data.get("usage") or {}).get("completion_tokens", out.output_len))
         choices = data.get("choices") or []
         text = self._text(choices[0]) if choices else ""
@@ -455,6 +513,7 @@ class _OpenAIHandler:
         out.generated_text += text
 
     def final(self, body: dict[str, Any], out: RequestOutput) -> None:
+        _openai_cached(body, out)
         choices = body.get("choices") or []
         out.generated_text = self._text(choices[0]) if choices else ""
         out.output_len = int((body.get("usage") or {}).get("completion_tokens", out.output_len))
@@ -945,7 +1004,72 @@ async def _run(args: argparse.Namespace, tokenizer_loader: TokenizerLoader) -> d
         top_p=args.top_p,
         extra_body=_extra_body(args.extra_request_body),
     )
+    if args.dataset_name == "multi-turn":
+        if cfg.stream and cfg.backend not in NATIVE_BACKENDS:  # the usage chunk carries cached_tokens
+            cfg.extra_body.setdefault("stream_options", {"include_usage": True})
+        return await _multi_turn(args, cfg, rows, tokenizer, base_url)
     return await _benchmark(args, cfg, rows, tokenizer, base_url)
+
+
+def _next_turn(row: DatasetRow, out: RequestOutput, tokenizer: Tokenizer, user_len: int) -> DatasetRow:
+    """The conversation so far: the previous prompt, its answer and a new random user message."""
+    new = _random_ids(tokenizer, user_len)
+    if isinstance(row.prompt, list):
+        answer = out.output_ids if out.output_ids is not None else \
+            list(tokenizer.encode(out.generated_text, add_special_tokens=False))
+        ids = row.prompt + answer + new
+        return DatasetRow(ids, len(ids), row.output_len)
+    text = row.prompt + out.generated_text + _decode(tokenizer, new)
+    return DatasetRow(text, _text_prompt_len(tokenizer, text), row.output_len)
+
+
+async def _multi_turn(args: argparse.Namespace, cfg: ClientConfig, rows: list[DatasetRow], tokenizer: Tokenizer,
+                      base_url: str) -> dict[str, Any]:
+    """Each conversation turn by turn, one request at a time: first with the cache as the conversation left it
+    (the previous turn's prompt and answer: "cached"), then the same prompt again after a /flush_cache ("cold"),
+    whose answer the next turn builds on. TTFT per turn, cold and cached, and the server's cached_tokens."""
+    await _warmup(cfg, rows[0], args.warmup_requests)
+    await asyncio.sleep(POST_WARMUP_SLEEP_S)
+    turns: list[dict[str, Any]] = []
+    for conv, first in enumerate(rows):
+        await _flush_cache(base_url, cfg.headers)
+        row = first
+        for turn in range(args.multi_turn_num_turns):
+            cached = await request_once(cfg, row)
+            await _flush_cache(base_url, cfg.headers)
+            cold = await request_once(cfg, row)
+            for o in (cached, cold):
+                if not o.success:
+                    raise BenchError(f"multi-turn request failed: {o.error}")
+            turns.append({"conversation": conv, "turn": turn, "prompt_len": row.prompt_len,
+                          "cached_tokens": cached.cached_tokens, "ttft_cached_ms": 1000 * cached.ttft,
+                          "ttft_cold_ms": 1000 * cold.ttft, "ratio": cached.ttft / cold.ttft if cold.ttft else None,
+                          "same_output": cached.generated_text == cold.generated_text})
+            row = _next_turn(row, cold, tokenizer, args.multi_turn_user_len)
+    print(f"{' Multi-turn (TTFT per turn) ':=^78}")
+    print(f"{'conv':>4} {'turn':>4} {'prompt':>7} {'cached':>7} {'cold ms':>10} {'cached ms':>10} {'ratio':>7} same")
+    for t in turns:
+        ratio = f"{t['ratio']:.3f}" if t["ratio"] is not None else "-"
+        print(f"{t['conversation']:>4} {t['turn']:>4} {t['prompt_len']:>7} {t['cached_tokens'] or 0:>7} "
+              f"{t['ttft_cold_ms']:>10.1f} {t['ttft_cached_ms']:>10.1f} {ratio:>7} {t['same_output']}")
+    later = [t for t in turns if t["turn"] > 0]
+    summary = {
+        "mean_ttft_cold_ms": float(np.mean([t["ttft_cold_ms"] for t in later])) if later else None,
+        "mean_ttft_cached_ms": float(np.mean([t["ttft_cached_ms"] for t in later])) if later else None,
+    }
+    if later:
+        summary["mean_ratio"] = summary["mean_ttft_cached_ms"] / summary["mean_ttft_cold_ms"]
+        print(f"turns > 0: cold {summary['mean_ttft_cold_ms']:.1f} ms, cached {summary['mean_ttft_cached_ms']:.1f} "
+              f"ms, cached / cold {summary['mean_ratio']:.3f}")
+    server_info = await _get_json(f"{base_url}/server_info", cfg.headers)
+    record = {"tag": args.tag, "backend": args.backend, "dataset_name": "multi-turn",
+              "num_conversations": len(rows), "num_turns": args.multi_turn_num_turns,
+              "random_input_len": args.random_input_len, "random_output_len": args.random_output_len,
+              "multi_turn_user_len": args.multi_turn_user_len, "turns": turns, **summary,
+              "server_info": server_info}
+    with open(args.output_file or default_output_file(args), "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+    return record
 
 
 def run_benchmark(args: argparse.Namespace, tokenizer_loader: TokenizerLoader | None = None) -> dict[str, Any]:

@@ -81,6 +81,30 @@ class Engine:
         self._observers: list[Callable[[RequestTrace], None]] = []
         self.program = self._make_program()
         self.depth_policy = self._make_policy()
+        self.prefix_cache = self._make_prefix_cache()
+        self.last_cached_tokens = 0  # the last request's prompt tokens restored from the prefix cache
+
+    def _make_prefix_cache(self):
+        """The prefix cache over this engine's live buffers (None: --disable-radix-cache, or a drafter without
+        the hooks). Budgets: --max-total-tokens rows, --max-mamba-cache-size snapshots (device defaults)."""
+        from baton.cache.prefix import PrefixCache
+
+        args = self.server_args
+        if args.disable_radix_cache or (self.drafter is not None and not self.drafter.supports_prefix_cache):
+            return None
+        cache = self.runner.cache
+        rows = [(t, 0) for t in cache.row_buffers()]
+        states = cache.state_buffers()
+        exact = bool(states)
+        if self.drafter is not None:
+            rows += self.drafter.prefix_buffers()
+            exact = exact or self.drafter.needs_prev_hidden
+        cuda = self.device.type == "cuda"
+        max_tokens = args.max_total_tokens if args.max_total_tokens is not None else (65536 if cuda else 32768)
+        max_snaps = args.max_mamba_cache_size if args.max_mamba_cache_size is not None else (16 if cuda else 64)
+        if args.prefix_snapshot_stride < 0:
+            raise ConfigError("--prefix-snapshot-stride must be >= 0")
+        return PrefixCache(rows, states, exact, max_tokens, max_snaps, args.prefix_snapshot_stride)
 
     def _make_program(self):
         """The one decode program: captured as CUDA graphs on CUDA, run uncaptured on the CPU and with
@@ -115,6 +139,7 @@ class Engine:
         self.drafter = drafter
         self.program = self._make_program()
         self.depth_policy = self._make_policy()
+        self.prefix_cache = self._make_prefix_cache()
 
     def set_depth_policy(self, policy) -> None:
         """Replace the depth policy (tests: a fixed schedule); its depths must be among ``program.depths``."""
@@ -152,6 +177,15 @@ class Engine:
         self.runner.cache.reset()
         if self.drafter is not None:
             self.drafter.reset()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+            self.prefix_cache.reset_stats()
+
+    def prefix_cache_info(self) -> dict:
+        """The prefix cache's counters (hit rate = cached / prompt tokens since start or the last flush)."""
+        if self.prefix_cache is None:
+            return {"prefix_cache_enabled": False, "prefix_cache_hit_rate": 0.0}
+        return {"prefix_cache_enabled": True, **self.prefix_cache.stats()}
 
     def model_info(self) -> dict:
         from baton.tokenizer import ID_TOKENIZER, IdTokenizer
@@ -177,6 +211,7 @@ class Engine:
         info.update(device=str(self.device), dtype=str(self.dtype).replace("torch.", ""),
                     context_length=self.context_length, avg_spec_accept_length=self.spec_stats.avg_accept_length,
                     spec_accept_histogram=dict(self.spec_stats.accept_histogram))
+        info.update(self.prefix_cache_info())
         return info
 
     @property
@@ -206,17 +241,121 @@ class Engine:
 
     def _prefill(self, req: Request) -> tuple[torch.Tensor, int]:
         """The prompt's forward (eager, host shapes) and the drafter's begin; returns the first token and its
-        position. A sampled first token comes from the default generator (seeded per request)."""
-        self.runner.cache.reset()
-        prompt = torch.tensor(req.input_ids, dtype=torch.long, device=self.device)
-        capture = self.drafter.capture_layer_ids if self.drafter else ()
-        ctx = self.runner.context(ForwardMode.PREFILL, 0, prompt.shape[0], capture)
-        hidden = self.model(prompt, ctx)
-        anchor = self._pick(hidden[-1:], req.sampling)  # [1]
+        position. A sampled first token comes from the default generator (seeded per request).
+
+        With the prefix cache: the longest cached prefix is written back into the live caches (in place) and only
+        the rest runs; with recurrent state the prefill is cut at the snapshot stride and the states there (and at
+        the prompt's end) are recorded (baton/cache/prefix.py)."""
+        cache, pc = self.runner.cache, self.prefix_cache
+        cache.reset()
         if self.drafter is not None:
             self.drafter.reset()
-            self.drafter.begin(prompt, hidden, ctx.captured, anchor)
-        return anchor, prompt.shape[0]
+        tokens = list(req.input_ids)
+        n = len(tokens)
+        start, prev_hidden = 0, None
+        if pc is not None:
+            m = pc.match(tokens)
+            length = m.length if pc.exact else min(m.length, n - 1)  # exact: the snapshot's hidden gives logits
+            if length > 0:
+                pc.restore(m, length)
+                start = length
+                prev_hidden = m.node.hidden if pc.exact else None
+            pc.record(n, start)
+        self.last_cached_tokens = start
+        prompt = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        hidden, caps, pending = self._forward_pieces(prompt, start)
+        if hidden is not None:
+            anchor = self._pick(hidden[-1:], req.sampling)  # [1]
+        else:  # the whole prompt was cached: its last hidden state gives the first token
+            hidden = prev_hidden[:0]
+            caps = [prev_hidden[:0] for _ in (self.drafter.capture_layer_ids if self.drafter else ())]
+            anchor = self._pick(prev_hidden, req.sampling)
+        if self.drafter is not None:
+            if start == 0:
+                self.drafter.begin(prompt, hidden, caps, anchor)
+            else:
+                self.drafter.begin_from(start, prompt, hidden, caps, anchor, prev_hidden)
+        if pc is not None and pc.exact:
+            if not pc.state_buffers and pc.stride > 0:  # no recurrent state (NEXTN's hidden only): one forward
+                cuts = range((start // pc.stride + 1) * pc.stride, n, pc.stride)
+                pending = [(b, [], hidden[b - 1 - start : b - start].clone()) for b in cuts]
+            for b, states, h in pending:
+                pc.insert(tokens[:b], h, states=states)
+            if start < n:  # the end of the prompt: where the next turn falls back to when the answer differs
+                pc.insert(tokens, hidden[-1:])
+        return anchor, n
+
+    def _forward_pieces(self, prompt: torch.Tensor, start: int):
+        """The target over ``prompt[start:]`` (cut by ``_segments``): (hidden [N - start, d] or None, the tapped
+        layers' outputs, the recurrent states at the stride boundaries with h_{b-1})."""
+        n = prompt.shape[0]
+        capture = self.drafter.capture_layer_ids if self.drafter else ()
+        hiddens, captured, pending = [], [], []
+        for a, b in self._segments(start, n):
+            ctx = self.runner.context(ForwardMode.PREFILL, a, b - a, capture)
+            h = self.model(prompt[a:b], ctx)
+            hiddens.append(h)
+            captured.append(ctx.captured)
+            if b < n:  # a stride boundary: the state there, recorded once the drafter's rows exist
+                pending.append((b, [t.clone() for t in self.prefix_cache.state_buffers], h[-1:].clone()))
+        if not hiddens:
+            return None, [], pending
+        hidden = hiddens[0] if len(hiddens) == 1 else torch.cat(hiddens)
+        caps = captured[0] if len(captured) == 1 else [torch.cat(c) for c in zip(*captured, strict=True)]
+        return hidden, caps, pending
+
+    def _catch_up(self, tokens: list[int]) -> None:
+        """Record the state after exactly ``tokens`` (the prompt and the tokens the client saw) where the caches
+        went further (a speculative run-ahead step, tokens past a stop): restore the nearest snapshot and prefill
+        the rest, between requests. The next turn, which resends those tokens, then hits at their end."""
+        pc = self.prefix_cache
+        m = pc.match(tokens)
+        if m.length >= len(tokens):
+            return
+        self.runner.cache.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+        start = m.length
+        if start > 0:
+            pc.restore(m, start)
+        prompt = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        hidden, caps, _ = self._forward_pieces(prompt, start)
+        if self.drafter is not None:  # the "first token" only feeds NEXTN's row N-1, which the cache never keeps
+            nxt = prompt[-1:]
+            if start == 0:
+                self.drafter.begin(prompt, hidden, caps, nxt)
+            else:
+                self.drafter.begin_from(start, prompt, hidden, caps, nxt, m.node.hidden)
+        pc.insert(tokens, hidden[-1:])
+
+    def _segments(self, start: int, n: int) -> list[tuple[int, int]]:
+        """The prefill's pieces: one, or (recurrent state cached) cut at multiples of the snapshot stride."""
+        pc = self.prefix_cache
+        if start >= n:
+            return []
+        if pc is None or not pc.exact or pc.stride <= 0 or not pc.state_buffers:
+            return [(start, n)]
+        cuts = list(range((start // pc.stride + 1) * pc.stride, n, pc.stride))
+        bounds = [start, *cuts, n]
+        return list(zip(bounds, bounds[1:], strict=False))
+
+    def _record_end(self, sequence: list[int], host_step: int, seen: int) -> None:
+        """After a request: its committed tokens (prompt + generated, and the last enqueued step's) into the
+        prefix cache, with the states the caches hold now. With recurrent state (or NEXTN), where the caches went
+        past the ``seen`` tokens (prompt + emitted: what a follow-up resends), the state at ``seen`` instead
+        (``_catch_up``); plain decoding stops exactly there (its run-ahead step consumed the last emitted token)."""
+        pc, program = self.prefix_cache, self.program
+        extra = program.relay.read(host_step) if host_step >= 0 else []  # enqueued after the last one read
+        committed = int(program.relay.pos)
+        full = sequence + extra
+        if len(full) != committed + 1 or committed <= 0:
+            log.warning("prefix cache: request end not recorded (%d tokens, %d committed)", len(full), committed)
+            return
+        if pc.exact and 0 < seen < committed and full[:seen] == sequence[:seen]:
+            self._catch_up(full[:seen])
+            return
+        hidden = program.relay.verify_hidden.index_select(0, program.relay.num_accepted)
+        pc.insert(full[:committed], hidden, snapshot=pc.exact)
 
     def _generate(self, req: Request, should_abort: Callable[[], bool]) -> Iterator[StepOutput]:
         """Prefill, then the step program (engine/step.py) with host run-ahead: step k+1 is enqueued before step
@@ -240,8 +379,11 @@ class Engine:
         first = anchor.tolist()
         sequence = list(req.input_ids) + first
         simulated = self.server_args.spec.simulate_accept_len is not None
-        yield self._emit(out, first, 0, simulated)
+        step_out = self._emit(out, first, 0, simulated, self.last_cached_tokens)
+        seen = len(req.input_ids) + len(step_out.token_ids)  # prompt + the tokens emitted so far
+        yield step_out
         num_verify, host_step = 0, 0
+        enqueued, failed = -1, False  # the last step enqueued; an error (the caches' contents unknown)
         spec = self.drafter is not None
         gc_enabled = gc.isenabled()
         gc.disable()  # a collection pause in the loop eats the host's slack
@@ -252,6 +394,7 @@ class Engine:
         try:
             with _sync_debug(sync_check):
                 program.step(host_step, sampled, depths[0])
+                enqueued = host_step
                 read_at = time.perf_counter()
                 while not out.finished:
                     if should_abort():
@@ -262,6 +405,7 @@ class Engine:
                     depths.append(policy.choose())
                     t0 = time.perf_counter()
                     program.step(host_step, sampled, depths[host_step])  # enqueue step k+1 ...
+                    enqueued = host_step
                     t1 = time.perf_counter()
                     tokens = program.relay.read(host_step - 1)  # ... then read step k
                     if spec:
@@ -274,12 +418,19 @@ class Engine:
                             policy.observe_time(depths[host_step - 1], 1000 * (time.perf_counter() - read_at))
                         read_at = time.perf_counter()
                     sequence += tokens
-                    yield self._emit(out, tokens, num_verify, simulated)
+                    step_out = self._emit(out, tokens, num_verify, simulated)
+                    seen += len(step_out.token_ids)
+                    yield step_out
+        except Exception:
+            failed = True
+            raise
         finally:
             if gc_enabled:
                 gc.enable()
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # the step in flight is discarded
+            if not failed and self.prefix_cache is not None:
+                self._record_end(sequence, enqueued, seen)
             if self._observers:
                 trace = RequestTrace(req.rid, sequence, int(program.relay.pos))
                 for fn in self._observers:
@@ -314,9 +465,10 @@ class Engine:
         logits = self.model.compute_logits(hidden)
         return sample_from_probs(logits_to_probs(logits, sp.temperature, sp.top_k, sp.top_p, sp.min_p), None)
 
-    def _emit(self, out: OutputTracker, token_ids: list[int], num_verify: int, simulated: bool) -> StepOutput:
+    def _emit(self, out: OutputTracker, token_ids: list[int], num_verify: int, simulated: bool,
+              cached_tokens: int = 0) -> StepOutput:
         e = out.add(token_ids)
-        return StepOutput(e.token_ids, e.text, out.finished, e.finish_reason, num_verify, simulated)
+        return StepOutput(e.token_ids, e.text, out.finished, e.finish_reason, num_verify, simulated, cached_tokens)
 
     def _context_length(self) -> int:
         cfg = self.model_config

@@ -126,7 +126,9 @@ class StepProgram:
         """One plain decode step: the anchor's forward, the next token by ``pick(hidden)``, the relay updated."""
         r = self.relay
         ctx = self._ctx(ForwardMode.DECODE, r.pos + self.arange[:1], self.cache)
-        token = pick(self.model(r.anchor, ctx))
+        hidden = self.model(r.anchor, ctx)
+        r.verify_hidden[:1].copy_(hidden)  # h of the last committed position (the prefix cache's snapshot)
+        token = pick(hidden)
         r.anchor.copy_(token)
         r.publish(token, self.one)
         r.pos.add_(1)

@@ -118,6 +118,9 @@ class TPEngine:
     def server_info(self) -> dict[str, Any]:
         return self.engine.server_info()
 
+    def prefix_cache_info(self) -> dict[str, Any]:
+        return self.engine.prefix_cache_info()  # every rank's tree is the same (decisions from token ids only)
+
     def add_observer(self, fn: Callable[[RequestTrace], None]) -> None:
         self.engine.add_observer(fn)
 

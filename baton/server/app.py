@@ -493,6 +493,20 @@ async def metrics(request: Request) -> Response:
             stats.num_verify_steps,
         ),
     ]
+    prefix = getattr(st.engine, "prefix_cache_info", None)
+    if prefix is not None:
+        info = prefix()
+        extra += [
+            ("cache_hit_rate", "gauge", "Prefix cache: cached / prompt tokens since start or the last flush_cache",
+             info.get("prefix_cache_hit_rate", 0.0)),
+            ("cached_tokens_total", "counter", "Prompt tokens restored from the prefix cache",
+             info.get("prefix_cache_cached_tokens", 0)),
+            ("prefix_cache_tokens", "gauge", "Tokens whose attention rows the prefix cache holds",
+             info.get("prefix_cache_tokens", 0)),
+            ("prefix_cache_snapshots", "gauge", "Recurrent-state snapshots the prefix cache holds",
+             info.get("prefix_cache_snapshots", 0)),
+            ("prefix_cache_bytes", "gauge", "Bytes the prefix cache holds", info.get("prefix_cache_bytes", 0)),
+        ]
     text = st.worker.metrics.render(extra)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -389,9 +389,11 @@ class Accumulated:
         self.text_parts: list[str] = []
         self.finish_reason: dict | None = None
         self.num_verify_steps = 0
+        self.cached_tokens = 0  # prompt tokens the engine restored from its prefix cache
 
     def add(self, out: StepOutput) -> None:
         self.output_ids.extend(out.token_ids)
+        self.cached_tokens = max(self.cached_tokens, getattr(out, "cached_tokens", 0))
         if out.text:
             self.text_parts.append(out.text)
         self.num_verify_steps = max(self.num_verify_steps, out.num_verify_steps)
@@ -414,6 +416,7 @@ class Accumulated:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": n,
             "total_tokens": self.prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
     def meta_info(self, final: bool) -> dict[str, Any]:
@@ -422,7 +425,7 @@ class Accumulated:
             "finish_reason": self.finish_reason,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
-            "cached_tokens": 0,
+            "cached_tokens": self.cached_tokens,
         }
         if final:
             meta["spec_verify_ct"] = self.num_verify_steps

@@ -37,6 +37,10 @@ class Drafter(ABC):
     capture_layer_ids: tuple[int, ...] = ()  # target layers whose outputs the drafter reads
     feature_dim: int = 0  # width of ``features(captured)`` (relay.verify_features), 0 if none
     variable_prefix: bool = False  # draft() may set relay.num_drafts below k (the verify then skips the rest)
+    # Prefix cache hooks (baton/cache/prefix.py): a drafter that sets ``supports_prefix_cache`` implements
+    # ``prefix_buffers`` and ``begin_from``; others run with the prefix cache off.
+    supports_prefix_cache: bool = False
+    needs_prev_hidden: bool = False  # begin_from(start > 0) needs the target's hidden state at start - 1
 
     @abstractmethod
     def reset(self) -> None:
@@ -47,6 +51,22 @@ class Drafter(ABC):
               first_token: torch.Tensor) -> None:
         """After the prefill (eager, host shapes): the target's hidden states and tapped features for the prompt,
         and its first token (the anchor at ``len(prompt_ids)``)."""
+
+    def prefix_buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """The per-request buffers indexed by position (dim 0), each with its shift: row i depends on the tokens up
+        to i + shift (NEXTN: 1, row i pairs h_i with token i+1). The prefix cache copies their rows of a prefix and
+        writes them back on a hit (in place: the step program's graphs read these very tensors)."""
+        return []
+
+    def begin_from(self, start: int, prompt_ids: torch.Tensor, target_hidden: torch.Tensor,
+                   captured: list[torch.Tensor], first_token: torch.Tensor,
+                   prev_hidden: torch.Tensor | None) -> None:
+        """``begin`` after a prefix-cache hit: the first ``start`` positions' state came from the prefix cache
+        (``prefix_buffers`` restored), ``target_hidden`` / ``captured`` cover positions start .. N-1 only (possibly
+        none), ``prev_hidden`` [1, d] is the target's hidden state at start - 1."""
+        if start != 0:
+            raise NotImplementedError(f"{type(self).__name__} has no prefix-cache support")
+        self.begin(prompt_ids, target_hidden, captured, first_token)
 
     def start(self, relay: Relay) -> None:
         """Load what the first draft needs into the relay (after ``relay.reset``); nothing by default."""

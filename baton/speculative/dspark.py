@@ -226,6 +226,20 @@ class DSparkDrafter(Drafter):
         self.feature_dim = len(cfg.target_layer_ids) * cfg.hidden_size  # relay buffer for the verify features
         self._mask_ids = torch.full((self.block_rows - 1,), self.mask_token_id, dtype=torch.long, device=device)
 
+    supports_prefix_cache = True
+
+    def prefix_buffers(self) -> list[tuple[torch.Tensor, int]]:
+        """The context K/V of every draft layer: row i from the target's features at position i."""
+        return [(t, 0) for c in self.caches for t in (c.k, c.v)]
+
+    def begin_from(self, start, prompt_ids, target_hidden, captured, first_token, prev_hidden) -> None:
+        """Positions start .. N-1 into the draft KV (those below came from the prefix cache)."""
+        num = prompt_ids.shape[0] - start
+        if num <= 0:
+            return
+        features = self.features([c[:num] for c in captured])
+        self.model.write_context(features, torch.arange(start, start + num, device=self.device), self.caches)
+
     def reset(self) -> None:
         pass  # begin() writes the prompt's context K/V; the positions past it are written before they are read
 

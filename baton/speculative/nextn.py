@@ -27,6 +27,23 @@ class NextNDrafter(Drafter):
         self.runner = ModelRunner(head.make_cache(max_len, dtype, device), device)
         self._hidden: torch.Tensor | None = None  # [1, d] the draft hidden state after the prompt
 
+    supports_prefix_cache = True
+    needs_prev_hidden = True
+
+    def prefix_buffers(self) -> list[tuple[torch.Tensor, int]]:
+        if self.runner.cache.state_buffers():
+            return []  # a recurrent head's state would depend on the next token: not cacheable
+        return [(t, 1) for t in self.runner.cache.row_buffers()]
+
+    def begin_from(self, start, prompt_ids, target_hidden, captured, first_token, prev_hidden) -> None:
+        """Rows start-1 .. N-1 (rows below start-1 came from the prefix cache): row i = (h_i, token i+1)."""
+        if start == 0:
+            return self.begin(prompt_ids, target_hidden, captured, first_token)
+        hidden = torch.cat([prev_hidden.reshape(1, -1).to(target_hidden.dtype), target_hidden])
+        next_ids = torch.cat([prompt_ids[start:], first_token.reshape(1)])
+        ctx = self.runner.context(ForwardMode.PREFILL, start - 1, next_ids.shape[0])
+        self._hidden = self.head(self.target.embed(next_ids), hidden, ctx)[-1:]
+
     def reset(self) -> None:
         self.runner.cache.reset()
         self._hidden = None

@@ -201,6 +201,15 @@ JOBS: list[Job] = [
                                 "and a random DSpark draft (block 16, 2 layers) at 9.95, one process, a census each",
         commands=(ling(42, "--quantization fp8 --modes plain,nextn,dspark --enable-fp8-draft-lm-head"),),
         gpus=1, limit_s=560, outputs=("ling_flash_*.json",)),
+    Job("ling-flash-fp8-prefix-cache", "issue 23: the prefix cache on the whole fp8 model (dummy weights): an "
+                                       "8192-token first turn, its 32-token answer and a 100-token follow-up; the "
+                                       "follow-up's TTFT cached vs cold, turn 1 and TPOT with the cache on vs off, "
+                                       "plain and NEXTN; then the prefix cache's GPU tests (CUDA graphs)",
+        commands=("python3 -m benchmarks.bench_prefix_cache --num-layers 42 --quantization fp8 --input-len 8192 "
+                  "--output-len 32 --followup-len 100 --repeats 3 --modes plain,nextn",
+                  f"set -o pipefail; {PYTEST} -m gpu tests/engine/test_prefix_cache_gpu.py "
+                  "--junitxml=$R/junit_prefix_cache.xml 2>&1 | tee $R/tests_prefix_cache.log"),
+        gpus=1, limit_s=540, outputs=("prefix_cache_*.json", "junit_prefix_cache.xml")),
     Job("ling-flash-w8a8-modes", "ling-flash-fp8-modes with fp8 activations (--fp8-activation-scheme dynamic: "
                                  "w8a8, the seed's numerics), NEXTN first",
         commands=(ling(42, "--quantization fp8 --fp8-activation-scheme dynamic --modes nextn,dspark,plain "
