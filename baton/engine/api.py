@@ -65,6 +65,10 @@ class EngineAPI(Protocol):
     def server_info(self) -> dict[str, Any]:
         """/get_server_info's engine fields (device, dtype, acceptance, ...)."""
 
+    def prefix_cache_info(self) -> dict[str, Any]:
+        """The prefix cache's counters for /metrics (``prefix_cache_enabled``, ``prefix_cache_hit_rate``, cached and
+        prompt tokens, tokens / snapshots / bytes held)."""
+
     def add_observer(self, fn: Callable[[RequestTrace], None]) -> None:
         """Call ``fn`` with a RequestTrace when each request ends (on the engine thread)."""
 

@@ -493,9 +493,8 @@ async def metrics(request: Request) -> Response:
             stats.num_verify_steps,
         ),
     ]
-    prefix = getattr(st.engine, "prefix_cache_info", None)
-    if prefix is not None:
-        info = prefix()
+    info = st.engine.prefix_cache_info()  # zeros with the cache off (--disable-radix-cache), as SGLang reports
+    if info:
         extra += [
             ("cache_hit_rate", "gauge", "Prefix cache: cached / prompt tokens since start or the last flush_cache",
              info.get("prefix_cache_hit_rate", 0.0)),

@@ -130,6 +130,9 @@ class FakeEngine:
     def server_info(self) -> dict[str, Any]:
         return {"model_path": self.model_path, "avg_spec_accept_length": self.spec_stats.avg_accept_length}
 
+    def prefix_cache_info(self) -> dict[str, Any]:
+        return {"prefix_cache_enabled": False, "prefix_cache_hit_rate": 0.0}
+
     # ---- the fake decode loop ----
     def _generate(self, req: Request, should_abort: Callable[[], bool]) -> Iterator[StepOutput]:
         prompt = self.tokenizer.decode(req.input_ids)
