@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from baton.cache.prefix import PrefixCache
-from baton.config import ServerArgs, SpecConfig, load_model_config
+from baton.config import ServerArgs, SpecConfig
 from baton.engine.engine import Engine
-from baton.models.dspark_checkpoint import write_random_dspark_draft
 from baton.types import Request, SamplingParams
 
 STRIDE = 16
@@ -86,17 +85,6 @@ def test_tree_lru_eviction_keeps_the_locked_path():
 
 
 # ---- engines ----
-
-
-@pytest.fixture(scope="module")
-def draft_paths(tmp_path_factory, ling_path, llama_path) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("prefix_drafts")
-    out = {}
-    for arch, path in (("ling", ling_path), ("llama", llama_path)):
-        out[arch] = str(root / arch)
-        write_random_dspark_draft(load_model_config(path), out[arch], seed=1, block_size=4, num_layers=2,
-                                  markov_rank=16)
-    return out
 
 
 def _spec(mode: str, arch: str, llama_nextn_path: str, draft_paths: dict) -> SpecConfig:

@@ -7,7 +7,7 @@ import pytest
 
 from baton.config import ServerArgs, SpecConfig
 from baton.engine.engine import Engine
-from tests.engine.test_prefix_cache import PROMPT, STRIDE, _deepest_key, _run
+from tests.engine.test_prefix_cache import PROMPT, STRIDE, _deepest_key, _run, _spec
 
 pytestmark = pytest.mark.gpu
 
@@ -17,9 +17,9 @@ def _cuda_engine(path: str, spec: SpecConfig, **kw) -> Engine:
                              prefix_snapshot_stride=STRIDE, spec=spec, **kw))
 
 
-@pytest.mark.parametrize("spec", [{}, {"algorithm": "NEXTN", "num_steps": 3}])
-def test_graphed_hits_equal_an_empty_cache_ling(ling_path, spec):
-    spec = SpecConfig(adaptive=False, **spec)
+@pytest.mark.parametrize("mode", ["plain", "nextn", "dspark"])
+def test_graphed_hits_equal_an_empty_cache_ling(ling_path, llama_nextn_path, draft_paths, mode):
+    spec = _spec(mode, "ling", llama_nextn_path, draft_paths)
     cold = _cuda_engine(ling_path, spec, disable_radix_cache=True)
     warm = _cuda_engine(ling_path, spec)
     assert warm.program.capture
