@@ -333,6 +333,10 @@ def cmd_data(ns: argparse.Namespace) -> int:
     if args is None:
         print("baton train data: generation uses plain decoding; drop the --speculative-* flags", file=sys.stderr)
         return 2
+    if ns.backend == "hf":  # the Hugging Face model is built from the target's tensors
+        from baton.train.runner import dequantised_gguf
+
+        args = dequantised_gguf(args)
     opts = DataOptions(output=ns.output, data_path=ns.data_path, extra_prompts=ns.extra_prompts,
                        num_prompts=ns.num_prompts, skip_prompts=ns.skip_prompts,
                        num_extra_prompts=ns.num_extra_prompts,

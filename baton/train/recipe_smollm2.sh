@@ -13,6 +13,7 @@
 #   DATA_BUDGET=270 TRAIN_BUDGET=300 ...                          # seconds: cut generation / each training run to fit
 #   REUSE_DATA=1 ...                                              # keep an existing OUT/data/gsm8k.jsonl (no step 1)
 #   EXTRA=none ...                                                # GSM8K only (default: + the general prompt set)
+#   DOMAIN_PROMPTS=3 DOMAIN_TOKENS=128 ...                         # the domain report's size (step 4b)
 #   DSPARK_MORE="b:850 b:800:data dp:800:data" ...                # DSpark trained further in stages (below)
 #
 # The shipped sizes (NEXTN one layer; DSpark one layer, block 16, Markov rank 16, taps 1,27; both bf16) keep
@@ -118,6 +119,12 @@ on "$V1" python3 benchmarks/bench_drafts.py --dspark "$OUT/dspark" --data-path "
 wait $pid_r
 python3 benchmarks/plot_drafts.py "$OUT"/drafts_gsm8k_nextn.json "$OUT"/drafts_gsm8k_dspark.json \
     --output "$OUT/drafts_gsm8k.png" --title "accept length and TPOT on GSM8K test" || true
+# 4b. beyond GSM8K: accept length and tok/s against plain on each domain of the general set's held-out split,
+#     GSM8K and random ids, fixed and adaptive depth (benchmarks/bench_domains.py), for the new DSpark drafter
+on "$V1" python3 benchmarks/bench_domains.py --speculative-algorithm DSPARK --speculative-draft-model-path "$OUT/dspark" \
+    --speculative-num-draft-tokens 9 --per-domain "${DOMAIN_PROMPTS:-3}" --max-new-tokens "${DOMAIN_TOKENS:-128}" \
+    --gsm8k "$GSM8K/test.jsonl" --device "$D" --name domains_dspark --plot "$OUT/domains_dspark.png" \
+    > "$OUT/report_domains.log" 2>&1 || { tail -20 "$OUT/report_domains.log"; exit 1; }
 stamp report
 
 # 5. ablations (accept length of each choice, greedy, held-out prompts): Markov rank, draft depth, initialisation

@@ -48,13 +48,20 @@ class FrozenTarget:
     args: ServerArgs  # how it was loaded (the eval engine loads the same target)
 
 
+def dequantised_gguf(args: ServerArgs) -> ServerArgs:
+    """``args`` with ``--dtype float32`` where a GGUF would otherwise load on the CPU as its Q4_1 / Q8_0 blocks
+    (``--dtype auto``), which training and the Hugging Face export cannot read as tensors."""
+    gguf = args.is_embedded or (args.model_path or "").endswith(".gguf")
+    if pick_device(args.device).type == "cpu" and args.dtype == "auto" and gguf:
+        return dataclasses.replace(args, dtype="float32")
+    return args
+
+
 def load_frozen_target(args: ServerArgs) -> FrozenTarget:
     """The target in eval mode with gradients off, on ``args.device`` in ``args.dtype``. A GGUF on the CPU loads
-    dequantised (``--dtype auto`` would keep its Q4_1 / Q8_0 blocks, which training cannot read as tensors)."""
+    dequantised (``dequantised_gguf``)."""
     device = pick_device(args.device)
-    gguf = args.is_embedded or (args.model_path or "").endswith(".gguf")
-    if device.type == "cpu" and args.dtype == "auto" and gguf:
-        args = dataclasses.replace(args, dtype="float32")
+    args = dequantised_gguf(args)
     loaded = load_target(args, device, parse_dtype(args.dtype, device))
     model = loaded.model.eval().requires_grad_(False)
     return FrozenTarget(model, loaded.config, loaded.tokenizer, device, args)

@@ -210,3 +210,14 @@ def test_importing_baton_does_not_import_transformers():
 
     code = "import sys, baton, baton.train.data, baton.models.hf_export; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_hf_backend_loads_a_gguf_on_the_cpu_dequantised():
+    """`baton train data --backend hf` on the CPU builds its Hugging Face model from the target's tensors, so the
+    embedded GGUF loads in fp32 there rather than as its Q4_1 / Q8_0 blocks (the default of --dtype auto)."""
+    from baton.config import ServerArgs
+    from baton.train.runner import dequantised_gguf
+
+    assert dequantised_gguf(ServerArgs(device="cpu")).dtype == "float32"
+    assert dequantised_gguf(ServerArgs(device="cpu", dtype="bfloat16")).dtype == "bfloat16"
+    assert dequantised_gguf(ServerArgs(model_path="/some/dir", device="cpu")).dtype == "auto"
