@@ -492,3 +492,19 @@ def test_fake_quantize_activations_fp8_rounds_every_projection_input():
     assert not torch.allclose(got, plain, rtol=1e-4, atol=1e-4)
     swi = m.linear_swiglu(x, norm, 1e-6)
     assert torch.allclose(swi, dense.swiglu(want, 0.0), rtol=1e-5, atol=1e-5)
+
+
+def test_tp2_gloo_w8a8_spec_equals_plain(ling_tp_path):
+    """w8a8 (--fp8-activation-scheme dynamic) on two gloo ranks: each rank quantises the rows of its own shards
+    (column-parallel inputs whole, row-parallel inputs per local K slice), and greedy NEXTN equals plain."""
+    from baton.engine.tp import run_tp
+    from tests.dist.ranks import generate_all
+
+    requests = [(list(PROMPT), dict(temperature=0.0, max_new_tokens=12, ignore_eos=True))]
+    out = []
+    for spec in ({}, {"algorithm": "NEXTN", "num_steps": 2}):
+        args = ServerArgs(model_path=ling_tp_path, device="cpu", context_length=256, tp_size=2, quantization="fp8",
+                          fp8_activation_scheme="dynamic", spec=SpecConfig(**{"adaptive": False, **spec}))
+        out.append(run_tp(args, generate_all, ([(list(i), dict(k)) for i, k in requests],), rank0_in_caller=False,
+                          timeout_s=120)[0][0])
+    assert out[0] == out[1] and len(out[0]) == 12
