@@ -53,7 +53,8 @@ def prepare(engine, input_len: int, seed: int = 0) -> None:
     ids = torch.randint(0, min(engine.model_config.vocab_size, 32000), (input_len,), generator=gen).tolist()
     req = Request(ids, SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True))
     engine.start_steps(req)
-    torch.cuda.synchronize()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def time_steps(engine, num_steps: int) -> list[float]:
@@ -278,6 +279,68 @@ def run_census(engine, input_len: int = 8192, num_steps: int = 50, profile_steps
     }
 
 
+def run_prefill_census(engine, input_len: int = 8192, repeats: int = 3) -> dict:
+    """Where a prompt's prefill goes (TTFT without the first step): ``repeats`` prefills of a random
+    ``input_len``-token prompt timed unprofiled (the median; each after ``flush_cache``, so the prefix cache never
+    hits), then one traced. On CUDA its kernels by category (exclusive, as the step census) and by name, with the
+    host's top ops by self time (a host-bound prefill shows there); on the CPU the ops alone (no kernel trace)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.device.type == "cuda"
+
+    def prefill() -> None:
+        engine.flush_cache()
+        prepare(engine, input_len)
+
+    prefill()  # warm: compiles the prefill kernels at this length
+    times = []
+    for _ in range(repeats):
+        engine.flush_cache()
+        t0 = _now(cuda)
+        prepare(engine, input_len)
+        times.append(1e3 * (_now(cuda) - t0))
+    engine.flush_cache()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        prepare(engine, input_len)
+        if cuda:
+            torch.cuda.synchronize()
+    out = {"input_len": input_len, "prefill_ms": statistics.median(times), "prefill_ms_runs": times}
+    if cuda:
+        kernels = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time > 0]
+        att = attribute(kernels, 1, top=20)
+        out.update(traced_ms=att["span"] / 1e3, kernels=len(kernels),
+                   census_us={k: round(v, 1) for k, v in sorted(att["per_cat"].items(), key=lambda kv: -kv[1])},
+                   top_kernels_us=att["top_kernels"], kernels_by_category=att["count_by_category"])
+    ops = prof.key_averages()
+    top = sorted(ops, key=lambda e: -e.self_cpu_time_total)[:20]
+    out["host_top_ops_ms"] = [(e.key[:100], round(e.self_cpu_time_total / 1e3, 2), e.count) for e in top]
+    return out
+
+
+def _now(cuda: bool) -> float:
+    import time
+
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def format_prefill_census(result: dict) -> str:
+    lines = [f"prefill of {result['input_len']} tokens   {result['prefill_ms']:.1f} ms (median, unprofiled)"]
+    if "census_us" in result:
+        lines.append(f"traced: {result['traced_ms']:.1f} ms of GPU span, {result['kernels']} kernels")
+        total = sum(result["census_us"].values()) or 1.0
+        lines += [f"  {label:<28}{us / 1e3:9.2f} ms  {100 * us / total:5.1f}%"
+                  for label, us in result["census_us"].items()]
+        lines.append("top kernels (exclusive ms):")
+        lines += [f"  {us / 1e3:9.2f}  {name}" for name, us in result["top_kernels_us"]]
+    lines.append("host: top ops by self time (ms, calls):")
+    lines += [f"  {ms:9.2f}  {n:6d}  {name}" for name, ms, n in result["host_top_ops_ms"]]
+    return "\n".join(lines)
+
+
 def _pct(values: list[float], q: int) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(len(s) * q / 100))]
@@ -316,6 +379,9 @@ def add_census_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-steps", type=int, default=50, help="unprofiled steps timed")
     p.add_argument("--profile-steps", type=int, default=10, help="steps traced by the profiler")
     p.add_argument("--output-file", default=None, help="append the result as one JSON line")
+    p.add_argument("--prefill", action="store_true",
+                   help="the census of a prefill of --input-len tokens instead of a decode step (TTFT: kernels by "
+                        "category on CUDA, the host's top ops everywhere)")
 
 
 def main(ns: argparse.Namespace) -> int:
@@ -326,8 +392,12 @@ def main(ns: argparse.Namespace) -> int:
     if args.context_length is None:
         args.context_length = ns.input_len + 64 * max(args.spec.num_draft_tokens or 1, 1) + 64
     engine = Engine(args)
-    result = run_census(engine, ns.input_len, ns.num_steps, ns.profile_steps)
-    print(format_census(result))
+    if ns.prefill:
+        result = run_prefill_census(engine, ns.input_len)
+        print(format_prefill_census(result))
+    else:
+        result = run_census(engine, ns.input_len, ns.num_steps, ns.profile_steps)
+        print(format_census(result))
     if ns.output_file:
         with open(ns.output_file, "a") as f:
             f.write(json.dumps(result) + "\n")

@@ -215,6 +215,14 @@ JOBS: list[Job] = [
         commands=(ling(42, "--quantization fp8 --fp8-activation-scheme dynamic --modes nextn,dspark,plain "
                            "--enable-fp8-draft-lm-head"),),
         gpus=1, limit_s=560, outputs=("ling_flash_*.json",)),
+    Job("ling-prefill-census", "where the whole fp8 model's 8192-token prefill goes (TTFT 4.3-7.4 s at a7c5f83): "
+                               "kernels by category and name, the host's top ops; w8a16, then w8a8",
+        commands=tuple(
+            "D=$(python3 -c 'from benchmarks.bench_ling_flash import flash_dir; print(flash_dir())') && "
+            "python3 -m baton census --model-path $D --load-format dummy --quantization fp8 " + extra +
+            "--input-len 8192 --context-length 8400 --prefill --output-file $R/prefill_census.jsonl"
+            for extra in ("", "--fp8-activation-scheme dynamic ")),
+        gpus=1, limit_s=400, outputs=("prefill_census.jsonl",)),
     Job("new-kernel-gpu-tests", "this session's kernels on the GPU: the batched KDA state commit, w8a8 dense and "
                                 "MoE, the MoE work list, fp8 dense and decode GEMMs",
         commands=(f"set -o pipefail; {PYTEST} -n 3 -m gpu tests/ops/test_state_commit.py tests/ops/test_fp8_w8a8.py "

@@ -108,3 +108,21 @@ def test_step_bytes_count_the_fp8_draft_lm_head(tmp_path):
     q, s = fp8.model.draft_lm_head_fp8
     assert step_bytes(bf16, 100, 4, 0.0)["draft"] == pytest.approx(3 * (head + bf16.model.lm_head_weight.nbytes))
     assert step_bytes(fp8, 100, 4, 0.0)["draft"] == pytest.approx(3 * (head + q.nbytes + s.nbytes))
+
+
+def test_prefill_census_runs_on_the_cpu_and_never_hits_the_prefix_cache(tmp_path):
+    """`baton census --prefill` on the CPU: the median prefill time and the host's top ops (no kernel trace there);
+    every timed prefill starts from a flushed cache, so none is a prefix-cache hit."""
+    from baton.bench.census import format_prefill_census, run_prefill_census
+    from baton.config import ServerArgs, SpecConfig
+    from baton.engine.engine import Engine
+    from tests.conftest import TINY_LLAMA
+    from tests.speculative.conftest import write_checkpoint
+
+    path = write_checkpoint(tmp_path, "llama", TINY_LLAMA)
+    engine = Engine(ServerArgs(model_path=path, device="cpu", context_length=128, spec=SpecConfig(adaptive=False)))
+    result = run_prefill_census(engine, input_len=40, repeats=2)
+    assert result["prefill_ms"] > 0 and len(result["prefill_ms_runs"]) == 2
+    assert result["host_top_ops_ms"] and "census_us" not in result
+    assert engine.last_cached_tokens == 0
+    assert "prefill of 40 tokens" in format_prefill_census(result)
