@@ -90,8 +90,10 @@ def test_quantize_act_groups():
     g = torch.zeros(5, 384)
     g[:, :300] = h
     amax = g.view(5, 3, 128).abs().amax(-1)
-    torch.testing.assert_close(sc[amax > 0], amax[amax > 0] / 448.0, rtol=0, atol=0)
-    assert q.float().abs().amax() == 448.0  # each group's largest element maps to 448
+    nz = amax > 0
+    assert torch.equal(torch.log2(sc), torch.log2(sc).round())  # power-of-two scales: h * 2^-s is exact
+    ratio = amax[nz] / sc[nz]
+    assert (ratio <= 448).all() and (ratio > 224).all()  # the smallest power of two that fits the group in e4m3
     assert (q[4, 128:256].float() == 0).all()
     deq = ref.dequantize_act_groups(q, sc)
     assert deq.shape == h.shape and torch.isfinite(deq).all()
@@ -138,7 +140,8 @@ def test_fp8_activations_error_is_bounded(name):
         a8 = ref.fp8_dense_linear(x, q, s, rb, nw, 1e-6, act_fp8=True)
         a16 = ref.fp8_dense_linear(x, q, s, rb, nw, 1e-6)
     err = rel_err(a8, a16)
-    assert 0.005 < err < 0.04, (name, err)
+    hi = 0.05 if shape.swiglu else 0.04  # the gate and up errors compound through SwiGLU's product
+    assert 0.005 < err < hi, (name, err)
 
 
 # ---- the kernel against the reference ----

@@ -13,32 +13,19 @@ import torch
 
 from baton.ops.linear import naive as dense
 from baton.ops.quant import dequantize_fp8_block, dequantize_fp8_rows
-from baton.ops.quant.fp8 import BLOCK, FP8_DTYPE, FP8_MAX
+from baton.ops.quant.fp8 import BLOCK, dequantize_act_e4m3, quantize_act_e4m3
 from baton.ops.rmsnorm.naive import rms_norm
-
-ACT_AMIN = 1e-12  # the smallest group amax (baton.ops.linear.triton.ACT_AMIN): an all-zero group quantises to 0
 
 
 def quantize_act_groups(h: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [M, K] -> (q [M, K] e4m3, scales [M, cdiv(K, group)] fp32): per row and ``group`` columns (the last group
-    may be short), amax = max(|h|, ACT_AMIN), q = clamp(h * (448 / amax), -448, 448) rounded to nearest, scale =
-    amax / 448; h ~= q * scale. Every step is one IEEE-rounded fp32 operation, as in the kernel."""
-    m, k = h.shape
-    g = -(-k // group)
-    hf = torch.zeros(m, g * group, dtype=torch.float32, device=h.device)
-    hf[:, :k] = h.float()
-    hf = hf.view(m, g, group)
-    amax = hf.abs().amax(-1).clamp(min=ACT_AMIN)  # [M, G]
-    inv = torch.full_like(amax, FP8_MAX) / amax
-    scale = amax / FP8_MAX
-    q = (hf * inv[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(m, g * group)[:, :k], scale
+    """h [M, K] -> (q [M, K] e4m3, scales [M, cdiv(K, group)] fp32), h ~= q * scale per row and ``group`` columns:
+    ``baton.ops.quant.fp8.quantize_act_e4m3`` (power-of-two scales), the quantiser every w8a8 path shares."""
+    return quantize_act_e4m3(h, group)
 
 
 def dequantize_act_groups(q: torch.Tensor, scale: torch.Tensor, group: int = BLOCK) -> torch.Tensor:
     """fp32 [M, K] = q * its group's scale."""
-    k = q.shape[1]
-    return q.float() * scale.repeat_interleave(group, dim=1)[:, :k]
+    return dequantize_act_e4m3(q, scale, group)
 
 
 def _w8a8(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, row_block: torch.Tensor | None,

@@ -26,7 +26,8 @@ Design (bandwidth-bound at batch 1; every weight byte is read exactly once):
   of two into fp16's range first (exact: bf16 values have fewer mantissa bits than fp16) and the product scaled
   back.
 - w8a8 (``act_fp8``, fp8 weights): the prologue's output is quantised in registers per (row, 128-column group) to
-  e4m3 (amax / 448 scales, ``baton.ops.fp8_linear.naive.quantize_act_groups`` bit for bit) and the swap form's
+  e4m3 with power-of-two scales (``baton.ops.quant.triton.quant_e4m3_rows``, the bits of
+  ``baton.ops.quant.fp8.quantize_act_e4m3``, as the MoE's w8a8 kernels do) and the swap form's
   ``tl.dot`` takes e4m3 on both sides (Hopper's fp8 wgmma, fp32 accumulation): the weight tile goes from its
   (pipelined) load to the MMA with no per-weight conversion; each chunk (BLOCK_K = 128, one group) is a fresh dot
   scaled by the weight block scale(s) times each row's group scale in fp32. One row (M = 1) takes the swap form
@@ -66,6 +67,7 @@ import triton
 import triton.language as tl
 
 from baton import env
+from baton.ops.quant.triton import quant_e4m3_rows
 
 __all__ = [
     "LinearConfig",
@@ -83,7 +85,6 @@ MAX_M = 32
 NUM_SMS = 132  # H200
 NUM_COUNTERS = 16384  # split-K column blocks per device (one int32 each)
 SB = 128  # fp8 block-scale size (baton.ops.quant.fp8.BLOCK)
-ACT_AMIN = tl.constexpr(1e-12)  # w8a8: the smallest activation group amax (an all-zero group quantises to 0)
 
 # Kernel forms (constexpr FORM) and fp8 scale modes (constexpr S_MODE).
 GEMV, ROWS, DOT, SWAP = 0, 1, 2, 3
@@ -352,33 +353,15 @@ def _e4m3_bits(w):
 
 
 @triton.jit
-def _e4m3_round(v):
-    """|v| <= 448 rounded to the nearest e4m3 value (ties to even), as fp32: normal values keep 3 mantissa bits,
-    those under 2^-6 become multiples of 2^-9 (interpreter only; exact IEEE fp32 steps)."""
-    bits = v.to(tl.uint32, bitcast=True)
-    normal = (((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) << 20).to(tl.float32, bitcast=True)
-    a = tl.abs(v)
-    sub = (a + 16384.0) - 16384.0  # the fp32 ulp at 2^14 is 2^-9
-    sub = tl.where(v < 0, -sub, sub)
-    return tl.where(a < 0.015625, sub, normal)
-
-
-@triton.jit
 def _act_quant(h, ACT_FP8: tl.constexpr, INTERPRET: tl.constexpr):
     """w8a8: the chunk [BLOCK_M, 128] (one 128-wide K group: BLOCK_K is 128) of prologue output quantised per row to
-    e4m3, as ``baton.ops.fp8_linear.naive.quantize_act_groups`` does: amax = max(|h|, AMIN) over the group,
-    q = clamp(h * (448 / amax), -448, 448) rounded to nearest e4m3, scale amax / 448 (both divisions IEEE-rounded,
-    so the reference computes the same q and scale bit for bit). Returns (q, scale [BLOCK_M]); otherwise (h, 1)."""
+    e4m3 with a power-of-two scale (``quant_e4m3_rows``; the interpreter gets the e4m3 values in fp32). Returns
+    (q, scale [BLOCK_M]); otherwise (h, 1)."""
     if ACT_FP8:
-        hf = h.to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(hf), axis=1), ACT_AMIN)  # [BLOCK_M]
-        inv = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
-        sx = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-        qf = tl.minimum(tl.maximum(hf * inv[:, None], -448.0), 448.0)
         if INTERPRET:
-            q = _e4m3_round(qf)  # the interpreter's fp32 -> e4m3 cast misrounds near powers of two
+            q, sx = quant_e4m3_rows(h.to(tl.float32), False)
         else:
-            q = qf.to(tl.float8e4nv)
+            q, sx = quant_e4m3_rows(h.to(tl.float32), True)
     else:
         q = h
         sx = 1.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from baton.ops.linear.naive import swiglu
+from baton.ops.quant.fp8 import ACT_GROUP, quantize_act_e4m3
 
 
 def grouped_topk(scores: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, n_group: int,
@@ -76,30 +77,6 @@ def fused_experts_dense_gather(x: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
 # --------------------------------------------------------------------------------------------------------------------
 # w8a8: fp8 experts x fp8 activations (``moe_experts(..., act_fp8=True)``)
 # --------------------------------------------------------------------------------------------------------------------
-
-ACT_GROUP = 128  # activations are quantised per (row, 128 consecutive K) group, as the 128 x 128 weight blocks
-_TINY_AMAX = 1e-30  # floor of a group's amax (an all-zero group): its scale stays a normal power of two
-
-
-def quantize_act_e4m3(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (q [..., K] float8_e4m3fn, scale [..., ceil(K/group)] fp32) with x ~= q * scale per group.
-
-    The scale is the smallest power of two ``2^s`` with ``amax / 2^s <= 448`` (amax of the group in fp32, floored at
-    1e-30), found from amax's exponent and mantissa bits, so ``x * 2^-s`` is exact and only the cast to e4m3
-    (round to nearest even) rounds: the Triton kernels (``_quant_e4m3``) compute the same bits."""
-    xf = x.float()
-    k = xf.shape[-1]
-    pad = (-k) % group
-    xp = torch.nn.functional.pad(xf, (0, pad)) if pad else xf
-    g = xp.reshape(*xf.shape[:-1], -1, group)
-    amax = g.abs().amax(-1).clamp_min(_TINY_AMAX)
-    bits = amax.contiguous().view(torch.int32)
-    s = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)  # 448 = 1.75 * 2^8
-    scale = ((s + 127) << 23).view(torch.float32)
-    inv = ((127 - s) << 23).view(torch.float32)
-    q = (g * inv[..., None]).to(torch.float8_e4m3fn).reshape(*xf.shape[:-1], -1)[..., :k]
-    return q, scale
-
 
 def _w8a8_matvec(q: torch.Tensor, qs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, row_block: torch.Tensor,
                  group: int = ACT_GROUP) -> torch.Tensor:

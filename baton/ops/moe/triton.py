@@ -35,8 +35,9 @@ Kernels:
   ``tl.dot`` (Hopper QGMMA) with no per-weight conversion. Swap-AB: the expert's weight tile is the MMA's wide
   side (``[2 * BLOCK_N, 128]``: BLOCK_N gate rows and the matching up rows in one tile; ``[BLOCK_N, 128]`` for w2)
   and the block's (up to 16) token rows the narrow side. The activations (x, then each pair's SwiGLU output) are
-  quantised in the K loop per (row, 128-column group) to e4m3 with a power-of-two scale (``_quant_e4m3``, the same
-  bits as ``naive.quantize_act_e4m3``); each group's product is scaled by weight block scale x row scale and summed
+  quantised in the K loop per (row, 128-column group) to e4m3 with a power-of-two scale
+  (``baton.ops.quant.triton.quant_e4m3_rows``, the bits of ``baton.ops.quant.fp8.quantize_act_e4m3``, as the dense
+  w8a8 projections do); each group's product is scaled by weight block scale x row scale and summed
   in fp32. Work list: for T < ``ALIGNED_MIN_TOKENS`` one program column per pair (no alignment launch), else the
   alignment's blocks; then ``moe_combine_kernel``. Options measured slower on the H200 and off by default: an L2
   prefetch of the weight tiles before the PDL wait (``W8A8_PREFETCH``, ``W8A8_PREFETCH_UP_GROUPS``) and a split-K
@@ -75,6 +76,7 @@ import triton.language as tl
 from baton import env
 from baton.ops.moe import table
 from baton.ops.moe.table import MoEConfig, MoETile
+from baton.ops.quant.triton import quant_e4m3_rows
 
 # Up to this many (token, expert) pairs (T * k: 32 tokens of top-8) the alignment is one program
 # (``moe_align_kernel``); more (prefill) are aligned with torch sort / scatter ops on the device.
@@ -691,35 +693,6 @@ def moe_combine_kernel(
 
 
 @triton.jit
-def _quant_e4m3(v, FP8_DOT: tl.constexpr):
-    """v [R, 128] fp32 -> (v * 2^-s in e4m3 (FP8_DOT; else its value in fp32: the interpreter), 2^s [R]):
-    per row the smallest power of two with amax / 2^s <= 448, from amax's bits (``naive.quantize_act_e4m3``)."""
-    amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-30)
-    bits = amax.to(tl.int32, bitcast=True)
-    se = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
-    scale = ((se + 127) << 23).to(tl.float32, bitcast=True)
-    inv = ((127 - se) << 23).to(tl.float32, bitcast=True)
-    if FP8_DOT:
-        q = (v * inv[:, None]).to(tl.float8e4nv)
-    else:  # the interpreter (its fp8 cast drops the carry of a round-up into the exponent): the e4m3 value in fp32
-        q = _e4m3_rne_fp32(v * inv[:, None])
-    return q, scale
-
-
-@triton.jit
-def _e4m3_rne_fp32(v):
-    """|v| <= 448 rounded to the nearest e4m3 value (ties to even), in fp32: normals keep 3 mantissa bits (integer
-    rounding of the fp32 bits, the carry into the exponent included); below 2^-6 the e4m3 subnormal step 2^-9
-    (round to an integer with the 1.5 * 2^23 trick). Interpreter only (numpy evaluates it as written)."""
-    bits = v.to(tl.int32, bitcast=True)
-    lsb = (bits >> 20) & 1
-    normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)  # -1048576 = ~0xFFFFF
-    magic = 12582912.0
-    sub = ((v * 512.0 + magic) - magic) * (1.0 / 512.0)
-    return tl.where(tl.abs(v) < 0.015625, sub, normal)
-
-
-@triton.jit
 def _w8a8_block(b, ids_ptr, sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_count_ptr,
                 BLOCK_M: tl.constexpr, DIRECT: tl.constexpr):
     """The work item of program b: (expert, pair per row [BLOCK_M], row mask). DIRECT: pair b alone (no alignment
@@ -812,7 +785,7 @@ def moe_up_w8a8_kernel(
         mk = (k0 + offs_k) < HIDDEN
         w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mk[None, :], other=0.0)
         xv = tl.load(x_ptrs + k0, mask=mr[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        xq, xs = _quant_e4m3(xv, FP8_DOT)
+        xq, xs = quant_e4m3_rows(xv, FP8_DOT)
         if not FP8_DOT:  # the interpreter: fp32 operands (its dot on fp8 bits is not the e4m3 product)
             w = w.to(tl.float32)
         ws = tl.where(is_up, tl.load(su_ptr + k0 // SB), tl.load(sg_ptr + k0 // SB))  # [2 * BLOCK_N]
@@ -876,7 +849,7 @@ def moe_down_w8a8_kernel(
                 g += tl.load(a_ptrs + sp * stride_as + k0, mask=ma, other=0.0)
                 u += tl.load(a_ptrs + sp * stride_as + INTER + k0, mask=ma, other=0.0)
             av = _swiglu(g, u, limit, HAS_LIMIT)
-        aq, as_ = _quant_e4m3(av, FP8_DOT)
+        aq, as_ = quant_e4m3_rows(av, FP8_DOT)
         if not FP8_DOT:  # the interpreter: fp32 operands (its dot on fp8 bits is not the e4m3 product)
             w = w.to(tl.float32)
         acc += tl.dot(w, tl.trans(aq)) * (tl.load(s_row + k0 // SB) * as_)[None, :]

@@ -98,3 +98,36 @@ def dequantize_fp8_rows(q: torch.Tensor, scale_inv: torch.Tensor, row_block: tor
     k = q.shape[-1]
     s = scale_inv[row_block.long()].repeat_interleave(block, dim=-1)[:, :k]  # [N, K]
     return (q.float() * s).to(dtype)
+
+
+# ---- w8a8: activations quantised at run time ----
+
+ACT_GROUP = 128  # activations are quantised per (row, 128 consecutive K) group, as the 128 x 128 weight blocks
+_TINY_AMAX = 1e-30  # floor of a group's amax (an all-zero group): its scale stays a normal power of two
+
+
+def quantize_act_e4m3(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (q [..., K] float8_e4m3fn, scale [..., ceil(K/group)] fp32) with x ~= q * scale per group.
+
+    The scale is the smallest power of two ``2^s`` with ``amax / 2^s <= 448`` (amax of the group in fp32, floored at
+    1e-30), found from amax's exponent and mantissa bits, so ``x * 2^-s`` is exact and only the cast to e4m3
+    (round to nearest even) rounds: the Triton kernels (``baton.ops.quant.triton.quant_e4m3_rows``) compute the
+    same bits. Every w8a8 path (dense projections and MoE experts) quantises its activations with it."""
+    xf = x.float()
+    k = xf.shape[-1]
+    pad = (-k) % group
+    xp = torch.nn.functional.pad(xf, (0, pad)) if pad else xf
+    g = xp.reshape(*xf.shape[:-1], -1, group)
+    amax = g.abs().amax(-1).clamp_min(_TINY_AMAX)
+    bits = amax.contiguous().view(torch.int32)
+    s = ((bits >> 23) & 0xFF) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)  # 448 = 1.75 * 2^8
+    scale = ((s + 127) << 23).view(torch.float32)
+    inv = ((127 - s) << 23).view(torch.float32)
+    q = (g * inv[..., None]).to(torch.float8_e4m3fn).reshape(*xf.shape[:-1], -1)[..., :k]
+    return q, scale
+
+
+def dequantize_act_e4m3(q: torch.Tensor, scale: torch.Tensor, group: int = ACT_GROUP) -> torch.Tensor:
+    """fp32 [..., K] = q * its group's scale (``quantize_act_e4m3``'s inverse, exact)."""
+    k = q.shape[-1]
+    return q.float() * scale.repeat_interleave(group, dim=-1)[..., :k]
