@@ -805,6 +805,15 @@ def _picked(p: Plan, m: int, act_fp8: bool = False) -> str:
     return "cublas (reference path)" if c.cublas else cfg_name(c)
 
 
+def _cell(r: dict | None, fmt: str) -> str:
+    """A timed row as a table cell (``fmt`` over its us, tbps and x_floor), its error, or "-" when absent."""
+    if r is None:
+        return "-"
+    if "us" not in r:
+        return f"error: {r.get('error', '?')[:40]}"
+    return fmt.format(**r)
+
+
 def summary(rows: list[dict]) -> str:
     """before / baton / cublas at M = 1, 6, 17 per shape and dtype."""
     final = {(r["shape"], r["dtype"], r["M"], r["impl"]): r for r in rows if r.get("phase") == "final"}
@@ -812,11 +821,7 @@ def summary(rows: list[dict]) -> str:
              "torch us |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
 
     def cell(r):
-        if r is None:
-            return "-"
-        if "us" not in r:
-            return f"error: {r.get('error', '?')[:40]}"
-        return f"{r['us']:.2f} ({r['tbps']:.2f}, {r['x_floor']:.2f}x)"
+        return _cell(r, "{us:.2f} ({tbps:.2f}, {x_floor:.2f}x)")
     order = [s.name for s in SHAPES]
     keys = sorted({(k[0], k[1], k[2]) for k in final}, key=lambda k: (order.index(k[0]), k[1], k[2]))
     for shape, dt, m in keys:
@@ -835,11 +840,7 @@ def summary_w8a8(rows: list[dict]) -> str:
              "cuBLAS bf16 us | err w8a16 | err w8a8 | w8a8 config |", "| --- " * 10 + "|"]
 
     def cell(r):
-        if r is None:
-            return "-"
-        if "us" not in r:
-            return f"error: {r.get('error', '?')[:40]}"
-        return f"{r['us']:.2f} / {r['tbps']:.2f} / {r['x_floor']:.2f}x"
+        return _cell(r, "{us:.2f} / {tbps:.2f} / {x_floor:.2f}x")
     order = [s.name for s in SHAPES]
     for shape, m in sorted({(k[0], k[1]) for k in final}, key=lambda k: (order.index(k[0]), k[1])):
         a16, a8, cu = (final.get((shape, m, i)) for i in ("baton", "w8a8", "cublas"))

@@ -61,7 +61,7 @@ def timed_request(engine, prompt_ids: list[int], max_new_tokens: int, ignore_eos
         last = time.perf_counter()
         if ttft is None and out.token_ids:
             ttft = last - t0
-            cached = getattr(out, "cached_tokens", 0)
+            cached = out.cached_tokens
         n += len(out.token_ids)
         verify = out.num_verify_steps
     latency = last - t0

@@ -63,7 +63,7 @@ def fake_quantize_dense_fp8(model: torch.nn.Module, block: int = BLOCK, skip: tu
 def fake_quantize_activations_fp8(model: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
     """The w8a8 half of the emulation (``--fp8-activation-scheme dynamic``): every dense projection's input (after
     its fused RMSNorm prologue) rounded through e4m3 per (row, 128 columns) with the scales the w8a8 kernels use
-    (``baton.ops.fp8_linear.naive.quantize_act_groups``), then multiplied as before. Use after
+    (``baton.ops.quant.fp8.quantize_act_e4m3``), then multiplied as before. Use after
     ``fake_quantize_dense_fp8``; the lm_head is left alone, as are modules whose name starts with one of ``skip``.
     Returns the number of modules changed."""
     changed = 0
@@ -76,7 +76,7 @@ def fake_quantize_activations_fp8(model: torch.nn.Module, skip: tuple[str, ...] 
 
 
 def _round_inputs(m: Linear) -> None:
-    from baton.ops.fp8_linear.naive import dequantize_act_groups, quantize_act_groups
+    from baton.ops.quant.fp8 import dequantize_act_e4m3, quantize_act_e4m3
     from baton.ops.rmsnorm.naive import rms_norm
 
     linear, linear_swiglu = m.linear, m.linear_swiglu
@@ -84,7 +84,7 @@ def _round_inputs(m: Linear) -> None:
     def rounded(x: torch.Tensor, norm_weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         h = x if norm_weight is None else rms_norm(x, norm_weight, eps)
         flat = h.reshape(-1, h.shape[-1])
-        return dequantize_act_groups(*quantize_act_groups(flat)).to(h.dtype).reshape(h.shape)
+        return dequantize_act_e4m3(*quantize_act_e4m3(flat)).to(h.dtype).reshape(h.shape)
 
     m.linear = lambda x, norm_weight=None, eps=1e-6, residual=None: linear(rounded(x, norm_weight, eps), None,
                                                                             eps, residual)

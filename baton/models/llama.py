@@ -52,14 +52,26 @@ class LlamaDecoderLayer(nn.Module):
 FUSED_MAX_ROWS = 48  # baton.ops.quant_cpu.cpu.GEMV_MAX_ROWS: more rows (long prefills) take the unfused layer
 
 
+def _once(module: torch.nn.Module, name: str, build):
+    """``build(module)``, computed on first use and kept on the module as ``name`` (False: the C path does not
+    apply to it)."""
+    value = module.__dict__.get(name)
+    if value is None:
+        value = build(module)
+        setattr(module, name, value)
+    return value
+
+
+def _cpu_layer_args(layer: LlamaDecoderLayer):
+    """The layer's C view (``_layer_args``), built once."""
+    return _once(layer, "_cpu_layer_args", _layer_args)
+
+
 def _fused_cpu_step(layer: LlamaDecoderLayer, x: torch.Tensor, ctx: ForwardContext) -> bool:
     if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] > FUSED_MAX_ROWS
             or ctx.kv_len is None or torch.is_grad_enabled()):
         return False
-    args = layer.__dict__.get("_cpu_layer_args")
-    if args is None:
-        args = layer._cpu_layer_args = _layer_args(layer)
-    if args is False:
+    if _cpu_layer_args(layer) is False:
         return False
     cache = ctx.cache[layer.layer_id]
     return cache.k.dtype == torch.float32 and cache.k.is_contiguous() and cache.v.is_contiguous()
@@ -134,9 +146,7 @@ def _stack_args(model: LlamaForCausalLM):
         return False
     per_layer = []
     for layer in layers:
-        args = layer.__dict__.get("_cpu_layer_args")
-        if args is None:
-            args = layer._cpu_layer_args = _layer_args(layer)
+        args = _cpu_layer_args(layer)
         if args is False:
             return False
         per_layer.append(args)
@@ -188,9 +198,7 @@ def _cpu_stack_forward(model: LlamaForCausalLM, input_ids: torch.Tensor, ctx: Fo
     if (input_ids.device.type != "cpu" or ctx.kv_len is None or torch.is_grad_enabled()
             or not _stack_rows_ok(input_ids.shape[0])):
         return None
-    stack = model.__dict__.get("_cpu_stack_args")
-    if stack is None:
-        stack = model._cpu_stack_args = _stack_args(model)
+    stack = _once(model, "_cpu_stack_args", _stack_args)
     if stack is False:
         return None
     held = _stack_caches(stack, ctx, ctx.kv_len)

@@ -474,8 +474,8 @@ def test_fake_quantize_activations_fp8_rounds_every_projection_input():
     """The CPU emulation of w8a8 for models without fp8 layers: each projection sees its input (after the fused
     RMSNorm) rounded through e4m3 per row and 128 columns, exactly as the w8a8 reference does."""
     from baton.layers.fake_quant import fake_quantize_activations_fp8
-    from baton.ops.fp8_linear.naive import dequantize_act_groups, quantize_act_groups
     from baton.ops.linear import naive as dense
+    from baton.ops.quant.fp8 import dequantize_act_e4m3, quantize_act_e4m3
     from baton.ops.rmsnorm.naive import rms_norm
 
     torch.manual_seed(0)
@@ -487,7 +487,7 @@ def test_fake_quantize_activations_fp8_rounds_every_projection_input():
     assert fake_quantize_activations_fp8(holder) == 1
     got = m.linear(x, norm, 1e-6)
     h = rms_norm(x, norm, 1e-6)
-    want = dequantize_act_groups(*quantize_act_groups(h)) @ m.weight.t()
+    want = dequantize_act_e4m3(*quantize_act_e4m3(h)) @ m.weight.t()
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got, plain, rtol=1e-4, atol=1e-4)
     swi = m.linear_swiglu(x, norm, 1e-6)

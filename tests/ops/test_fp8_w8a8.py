@@ -1,11 +1,11 @@
 """w8a8 dense projections (``act_fp8=True``): fp8 (e4m3, 128 x 128 block) weights times activations quantised to e4m3
 per (row, 128 columns) in the kernel's prologue, on fp8 x fp8 MMAs. The Triton kernel (``baton.ops.fp8_linear.triton
-.fp8_dense(..., act_fp8=True)``; Triton's interpreter on CPU) against the plain-PyTorch reference of the same arithmetic
-(``baton.ops.fp8_linear.naive``: ``quantize_act_groups``, then the dequantised matmul in fp32) at every Ling-3.0-flash
-fp8 dense shape of ``benchmarks/bench_decode_gemm.py`` (on CPU with each row part cut to at most 128 rows, K
-unchanged; on the GPU (``gpu``) the whole shapes) at M = 1, 6, 17 with each shape's fusions (RMSNorm prologue,
-residual / SwiGLU epilogues, the row map of unaligned fused parts), the configs a tune can pick, the quantiser itself,
-and the error that fp8 activations add."""
+.fp8_dense(..., act_fp8=True)``; Triton's interpreter on CPU) against the plain-PyTorch reference of the same
+arithmetic (``baton.ops.fp8_linear.naive``: ``baton.ops.quant.fp8.quantize_act_e4m3``, then the dequantised matmul in
+fp32) at every Ling-3.0-flash fp8 dense shape of ``benchmarks/bench_decode_gemm.py`` (on CPU with each row part cut
+to at most 128 rows, K unchanged; on the GPU (``gpu``) the whole shapes) at M = 1, 6, 17 with each shape's fusions
+(RMSNorm prologue, residual / SwiGLU epilogues, the row map of unaligned fused parts), the configs a tune can pick,
+the quantiser itself, and the error that fp8 activations add."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 from baton.ops.fp8_linear import fp8_dense_linear, fp8_dense_linear_swiglu
 from baton.ops.fp8_linear import naive as ref
 from baton.ops.quant import dequantize_fp8_rows, quantize_fp8_parts, row_block_map
+from baton.ops.quant.fp8 import dequantize_act_e4m3, quantize_act_e4m3
 from benchmarks.bench_decode_gemm import SHAPES
 from tests.ops.triton_support import interpreted_module
 
@@ -81,11 +82,11 @@ def _cpu_parts(shape) -> list[int]:
 
 # ---- the quantiser and the reference ----
 
-def test_quantize_act_groups():
+def test_quantize_act_e4m3():
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(5, 300, generator=gen) * torch.tensor([1e-4, 1.0, 30.0, 1e3, 1.0])[:, None]
     h[4, 128:256] = 0.0  # an all-zero group
-    q, sc = ref.quantize_act_groups(h)
+    q, sc = quantize_act_e4m3(h)
     assert q.dtype == torch.float8_e4m3fn and q.shape == (5, 300) and sc.shape == (5, 3)
     g = torch.zeros(5, 384)
     g[:, :300] = h
@@ -95,7 +96,7 @@ def test_quantize_act_groups():
     ratio = amax[nz] / sc[nz]
     assert (ratio <= 448).all() and (ratio > 224).all()  # the smallest power of two that fits the group in e4m3
     assert (q[4, 128:256].float() == 0).all()
-    deq = ref.dequantize_act_groups(q, sc)
+    deq = dequantize_act_e4m3(q, sc)
     assert deq.shape == h.shape and torch.isfinite(deq).all()
     rel = (deq - h).norm(dim=1) / h.norm(dim=1)
     assert (rel < 0.04).all() and (rel > 0.005).all(), rel  # e4m3's 3 mantissa bits, whatever the row's size
@@ -110,8 +111,8 @@ def test_exact_activations_give_the_w8a16_result():
     vals = torch.randn(m, k, generator=gen).mul(40).clamp(-440, 440).to(torch.float8_e4m3fn).float()
     vals.view(m, 3, 128)[:, :, 0] = 448.0
     h = vals * torch.tensor([2.0**-8, 2.0**-3, 1.0, 2.0**5])[:, None]
-    q, sc = ref.quantize_act_groups(h)
-    torch.testing.assert_close(ref.dequantize_act_groups(q, sc), h, rtol=0, atol=0)
+    q, sc = quantize_act_e4m3(h)
+    torch.testing.assert_close(dequantize_act_e4m3(q, sc), h, rtol=0, atol=0)
     _, wq, ws, rb = _weight([200, 72], k, 2)
     wq, ws = wq.cpu(), ws.cpu()
     rb = None if rb is None else rb.cpu()

@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 import baton.ops.moe.triton as mt  # noqa: E402
 from baton.ops.moe import moe_experts, select_experts  # noqa: E402
 from baton.ops.moe.naive import fused_experts, fused_experts_dense_gather, grouped_topk  # noqa: E402
+from tests.ops.triton_support import assert_graph_replays_without_sync  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1" and type(mt.moe_up_direct_kernel).__name__ != "InterpretedFunction":
     mt = importlib.reload(mt)  # imported earlier without the interpreter
@@ -273,19 +274,4 @@ def test_gpu_graph_capture_no_sync(num_tokens):
         ids, w = select_experts(x.float() @ gate.t(), bias, 8, 8, 4, True, 2.5)
         return moe_experts(x, w13, w2, ids, w, 4.0, residual=x)
 
-    expected = step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    assert_graph_replays_without_sync(step)

@@ -10,7 +10,7 @@ import torch
 
 from baton.ops.moe.naive import fused_experts, fused_experts_w8a8, quantize_act_e4m3
 from baton.ops.quant import dequantize_fp8_block, dequantize_fp8_gate_up, quantize_fp8_block, quantize_fp8_gate_up
-from tests.ops.triton_support import interpreted_module
+from tests.ops.triton_support import assert_graph_replays_without_sync, interpreted_module
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if HAS_CUDA else "cpu")
@@ -302,22 +302,7 @@ def test_gpu_capture_no_sync(num_tokens, act_fp8):
     def step():
         return moe_experts(x, q13, q2, ids, w, 4.0, residual=x, w13_scale=s13, w2_scale=s2, act_fp8=act_fp8)
 
-    expected = step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    assert_graph_replays_without_sync(step)
 
 
 @pytest.mark.parametrize("num_tokens,split", [(1, 2), (2, 3), (4, 2)])

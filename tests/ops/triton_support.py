@@ -46,3 +46,24 @@ def interpreted_module(name: str):
         os.environ["TRITON_INTERPRET"] = "1"
     pytest.importorskip("triton")
     return load_triton_module(name)
+
+
+def assert_graph_replays_without_sync(step) -> None:
+    """``step()`` (CUDA tensors in, one tensor out) captured in a CUDA graph under sync-debug "error" (any host
+    sync raises), after a warm-up run on a side stream; its replay equals the eager result bit for bit."""
+    expected = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)

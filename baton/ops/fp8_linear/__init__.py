@@ -6,8 +6,8 @@
   fusions of ``baton.ops.linear`` (RMSNorm prologue, residual or SwiGLU epilogue), out in the activations' dtype.
   A fused weight whose parts are quantised each on its own and are not 128-row aligned passes ``row_block`` (each
   weight row's scale row). ``act_fp8=True`` (w8a8): the rows are quantised to e4m3 per (row, 128 columns) after the
-  prologue and multiplied on fp8 x fp8 MMAs (``naive.quantize_act_groups``; default False: w8a16, rows in x's
-  dtype).
+  prologue and multiplied on fp8 x fp8 MMAs (``baton.ops.quant.fp8.quantize_act_e4m3``; default False: w8a16, rows
+  in x's dtype).
 
 CUDA tensors take the Triton kernels (``triton.py``: the block scales applied in registers, one fp32 sum) when triton
 imports, ``baton.env.use_triton()`` allows and the call fits (at most 16 rows for the lm_head, 32 for a dense
@@ -39,8 +39,8 @@ def fp8_dense_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
                      residual: torch.Tensor | None = None, *, act_fp8: bool = False) -> torch.Tensor:
     """``[residual +] (rms_norm(x) if norm_weight else x) @ dequantise(weight).T``, x [..., K] -> [..., N] in x's
     dtype (``baton.ops.linear.linear`` on an fp8 weight). ``act_fp8`` (w8a8): the normalised rows quantised to e4m3
-    per (row, 128 columns) first (``naive.quantize_act_groups``) and the product taken on fp8 x fp8 MMAs; False
-    (w8a16): the rows stay in x's dtype."""
+    per (row, 128 columns) first (``baton.ops.quant.fp8.quantize_act_e4m3``) and the product taken on fp8 x fp8
+    MMAs; False (w8a16): the rows stay in x's dtype."""
     impl = triton_module("baton.ops.fp8_linear.triton", x)
     if impl is not None and impl.supports_dense(x, weight, scale_inv, row_block, norm_weight, residual):
         return impl.fp8_dense(x, weight, scale_inv, row_block, norm_weight, eps, residual, act_fp8=act_fp8)

@@ -3,9 +3,9 @@ lm_head (``fp8_linear``), in the activations' dtype with the fusions of ``baton.
 residual or SwiGLU epilogue) for the dense projections of ``--quantization fp8`` (``fp8_dense_linear``).
 
 w8a8 (``act_fp8=True``): the prologue's output (x, or rms_norm(x) in x's dtype) quantised to e4m3 per row and 128
-columns (``quantize_act_groups``: the per-token-group quantisation that 128 x 128 block-fp8 checkpoints are served
-with), then ``dequantise(q_x) @ dequantise(W).T`` in fp32, rounded to x's dtype, then the epilogue. The Triton
-kernel computes the same q_x and scales bit for bit; only its fp32 summation order differs."""
+columns (``baton.ops.quant.fp8.quantize_act_e4m3``: the per-token-group quantisation that 128 x 128 block-fp8
+checkpoints are served with), then ``dequantise(q_x) @ dequantise(W).T`` in fp32, rounded to x's dtype, then the
+epilogue. The Triton kernel computes the same q_x and scales bit for bit; only its fp32 summation order differs."""
 
 from __future__ import annotations
 
@@ -13,19 +13,8 @@ import torch
 
 from baton.ops.linear import naive as dense
 from baton.ops.quant import dequantize_fp8_block, dequantize_fp8_rows
-from baton.ops.quant.fp8 import BLOCK, dequantize_act_e4m3, quantize_act_e4m3
+from baton.ops.quant.fp8 import dequantize_act_e4m3, quantize_act_e4m3
 from baton.ops.rmsnorm.naive import rms_norm
-
-
-def quantize_act_groups(h: torch.Tensor, group: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """h [M, K] -> (q [M, K] e4m3, scales [M, cdiv(K, group)] fp32), h ~= q * scale per row and ``group`` columns:
-    ``baton.ops.quant.fp8.quantize_act_e4m3`` (power-of-two scales), the quantiser every w8a8 path shares."""
-    return quantize_act_e4m3(h, group)
-
-
-def dequantize_act_groups(q: torch.Tensor, scale: torch.Tensor, group: int = BLOCK) -> torch.Tensor:
-    """fp32 [M, K] = q * its group's scale."""
-    return dequantize_act_e4m3(q, scale, group)
 
 
 def _w8a8(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, row_block: torch.Tensor | None,
@@ -33,7 +22,7 @@ def _w8a8(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, row_bl
     """The w8a8 GEMM: [..., N] in x's dtype (the epilogues' input, as F.linear's output is in naive.linear)."""
     h = x if norm_weight is None else rms_norm(x, norm_weight, eps)
     h2 = h.reshape(-1, h.shape[-1])
-    hd = dequantize_act_groups(*quantize_act_groups(h2))
+    hd = dequantize_act_e4m3(*quantize_act_e4m3(h2))
     y = hd @ dequantize_fp8_rows(weight, scale_inv, row_block, torch.float32).t()
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 

@@ -11,23 +11,11 @@ Everywhere else (CPU, no Triton) it runs the plain-PyTorch reference, the per-la
 
 from __future__ import annotations
 
-import functools
-from typing import Any
-
 import torch
 
-from baton.env import use_triton
+from baton.ops.attention import triton_module
 
 __all__ = ["StagedCommit", "commit_reference"]
-
-
-@functools.cache
-def _triton_impl() -> Any:
-    try:
-        from baton.ops.state_commit import triton as impl
-    except ImportError:
-        return None
-    return impl
 
 
 def commit_reference(pairs: list[tuple[torch.Tensor, torch.Tensor]], index: torch.Tensor) -> None:
@@ -47,10 +35,9 @@ class StagedCommit:
                                  f"{dst.dtype}")
         self.pairs = pairs
         self._kernel = None
-        device = pairs[0][1].device if pairs else torch.device("cpu")
-        if device.type == "cuda" and use_triton() and _triton_impl() is not None:
-            if all(_triton_impl().supports(s, d) for s, d in pairs):
-                self._kernel = _triton_impl().CommitTables(pairs)
+        impl = triton_module("baton.ops.state_commit.triton", pairs[0][1]) if pairs else None
+        if impl is not None and all(impl.supports(s, d) for s, d in pairs):
+            self._kernel = impl.CommitTables(pairs)
 
     def __call__(self, index: torch.Tensor) -> None:
         if not self.pairs:
