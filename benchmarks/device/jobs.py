@@ -222,12 +222,13 @@ JOBS: list[Job] = [
             "python3 -m baton census --model-path $D --load-format dummy --quantization fp8 " + extra +
             "--input-len 8192 --context-length 8400 --prefill --output-file $R/prefill_census.jsonl"
             for extra in ("", "--fp8-activation-scheme dynamic ")),
-        gpus=1, limit_s=400, outputs=("prefill_census.jsonl",)),
+        gpus=1, limit_s=300, outputs=("prefill_census.jsonl",)),
     Job("new-kernel-gpu-tests", "this session's kernels on the GPU: the batched KDA state commit, w8a8 dense and "
                                 "MoE, the MoE work list, fp8 dense and decode GEMMs",
         commands=(f"set -o pipefail; {PYTEST} -n 3 -m gpu tests/ops/test_state_commit.py tests/ops/test_fp8_w8a8.py "
                   "tests/ops/test_moe_w8a8.py tests/ops/test_moe_triton.py tests/ops/test_moe_fp8.py "
-                  "tests/ops/test_moe_active_rows.py tests/models/test_fp8_dense.py --junitxml=$R/junit.xml "
+                  "tests/ops/test_moe_active_rows.py tests/models/test_fp8_dense.py tests/ops/test_kda_fla.py "
+                  "--junitxml=$R/junit.xml "
                   "2>&1 | tee $R/tests.log",),
         gpus=1, limit_s=240, outputs=("junit.xml",)),
     Job("ling-flash-tp2", "the whole model in bf16 at TP2, plain and NEXTN, with rank 0's census",
