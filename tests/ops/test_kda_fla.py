@@ -17,7 +17,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("t", [1, 63, 64, 200, 1000])
 def test_fla_chunk_matches_reference(t, monkeypatch):
-    # not importorskip: on a CUDA machine a broken fla-core (a missing einops once) is the 15x slower prefill, so it fails
+    # not importorskip: on a CUDA machine a broken fla-core (once: no einops) is a 15x slower prefill, so it fails
     assert kda._fla_chunk() is not None, "fla-core's chunk_kda does not import (see the warning logged above)"
     monkeypatch.setenv("BATON_FLA", "1")
     gen = torch.Generator(device="cuda").manual_seed(t)
