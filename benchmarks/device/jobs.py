@@ -209,7 +209,7 @@ JOBS: list[Job] = [
                   "--output-len 32 --followup-len 100 --repeats 3 --modes plain,nextn",
                   f"set -o pipefail; {PYTEST} -m gpu tests/engine/test_prefix_cache_gpu.py "
                   "--junitxml=$R/junit_prefix_cache.xml 2>&1 | tee $R/tests_prefix_cache.log"),
-        gpus=1, limit_s=540, outputs=("prefix_cache_*.json", "junit_prefix_cache.xml")),
+        gpus=1, limit_s=330, outputs=("prefix_cache_*.json", "junit_prefix_cache.xml")),
     Job("ling-flash-w8a8-modes", "ling-flash-fp8-modes with fp8 activations (--fp8-activation-scheme dynamic: "
                                  "w8a8, the seed's numerics), NEXTN first",
         commands=(ling(42, "--quantization fp8 --fp8-activation-scheme dynamic --modes nextn,dspark,plain "
@@ -222,7 +222,7 @@ JOBS: list[Job] = [
             "python3 -m baton census --model-path $D --load-format dummy --quantization fp8 " + extra +
             "--input-len 8192 --context-length 8400 --prefill --output-file $R/prefill_census.jsonl"
             for extra in ("", "--fp8-activation-scheme dynamic ")),
-        gpus=1, limit_s=300, outputs=("prefill_census.jsonl",)),
+        gpus=1, limit_s=250, outputs=("prefill_census.jsonl",)),
     Job("new-kernel-gpu-tests", "this session's kernels on the GPU: the batched KDA state commit, w8a8 dense and "
                                 "MoE, the MoE work list, fp8 dense and decode GEMMs",
         commands=(f"set -o pipefail; {PYTEST} -n 3 -m gpu tests/ops/test_state_commit.py tests/ops/test_fp8_w8a8.py "
