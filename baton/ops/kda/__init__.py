@@ -40,8 +40,9 @@ def _fla_chunk() -> Any:
     try:
         from fla.ops.kda import chunk_kda
     except ImportError as e:
-        hint = ("pip install 'baton[gpu]'" if getattr(e, "name", None) in ("fla", "fla.ops", "fla.ops.kda")
-                else f"fla-core is installed but a dependency of it is missing: pip install {e.name or 'fla-core'}")
+        missing = (e.name or "fla").split(".")[0]  # fla itself (absent, or too old for chunk_kda), or a dependency
+        hint = ("pip install 'baton[gpu]'" if missing == "fla"
+                else f"fla-core is installed but a dependency of it is missing: pip install {missing}")
         log.warning("KDA prefill on CUDA falls back to the PyTorch chunked form (slow: ~15x on long prompts) "
                     "because fla-core's chunk_kda does not import (%s); %s", e, hint)
         return None
