@@ -95,7 +95,20 @@ def run(ns: argparse.Namespace) -> dict:
     policy = engines["adaptive"].depth_policy
     return {"env": env_card(), "device": str(plain.device), "spec": dataclasses.asdict(base.spec),
             "max_new_tokens": ns.max_new_tokens, "per_domain": ns.per_domain, "rows": rows,
-            "adaptive_step_ms": getattr(policy, "step_ms", None)}
+            "heldout_mean": heldout_mean(rows), "adaptive_step_ms": getattr(policy, "step_ms", None)}
+
+
+def heldout_mean(rows: dict[str, dict[str, dict]]) -> dict[str, dict[str, float | None]]:
+    """Per config, the mean over the held-out general domains (every workload but GSM8K and random ids) of the
+    speedup against plain and of the accept length: the issue's "held-out general chat set, mean"."""
+    names = [n for n in rows if n not in ("gsm8k", "random ids")]
+    out: dict[str, dict[str, float | None]] = {}
+    for c in ("fixed", "adaptive"):
+        sp = [rows[n][c]["speedup"] for n in names if rows[n][c]["speedup"] is not None]
+        al = [rows[n][c]["accept_length"] for n in names if rows[n][c]["accept_length"] is not None]
+        out[c] = {"speedup": sum(sp) / len(sp) if sp else None, "accept_length": sum(al) / len(al) if al else None,
+                  "domains": len(names)}
+    return out
 
 
 def table(record: dict) -> str:
@@ -110,6 +123,11 @@ def table(record: dict) -> str:
         lines.append(f"| {name} | {f(p['decode_tok_s'])} | {f(fx['decode_tok_s'])} | {f(fx['accept_length'], '{:.2f}')}"
                      f" | {f(fx['speedup'], '{:.2f}')} | {f(ad['decode_tok_s'])} | {f(ad['accept_length'], '{:.2f}')}"
                      f" | {f(ad['speedup'], '{:.2f}')} |")
+    mean = record.get("heldout_mean")
+    if mean:
+        fx, ad = mean["fixed"], mean["adaptive"]
+        lines.append(f"| held-out mean ({fx['domains']} domains) | | | {f(fx['accept_length'], '{:.2f}')} | "
+                     f"{f(fx['speedup'], '{:.2f}')} | | {f(ad['accept_length'], '{:.2f}')} | {f(ad['speedup'], '{:.2f}')} |")
     return "\n".join(lines)
 
 

@@ -1,7 +1,9 @@
 """A general prompt set the project makes itself: templated tasks over seed topics, in seven domains beside GSM8K
 (writing, explanation, code, summarisation, lists, translation, multi-turn chat), split into train and held-out
 every fourth prompt of each domain held out (new topics go at the end of their lists, so the split of the
-existing prompts never changes).
+existing prompts never changes). A second, train-only part (``TRAIN_TOPICS``, more templates, code tasks, texts and
+sentences) follows them: more variety for draft training, never held out, so the held-out split and every
+existing prompt's index stay as they were.
 
 It is the input of draft training beyond GSM8K (the target answers each prompt) and of the speculation benchmark
 over domains (benchmarks/bench_domains.py), which reads only the held-out split. Every prompt is a list of chat
@@ -60,6 +62,62 @@ TEMPLATES = {
               "List three questions a child might ask about {t}."],
 }
 
+# Train-only: never held out (the domain benchmark measures on the split above, which these leave as it was).
+TRAIN_TOPICS = [
+    "a fox in the snow", "the speed of light", "a night at the museum", "glaciers", "a birthday surprise",
+    "wind turbines", "a ship in a storm", "the immune system", "a village fair", "dinosaurs", "a late bus",
+    "clouds and rain", "a young inventor", "the stock market", "a forest fire", "penguins", "a job interview",
+    "the periodic table", "a haunted house", "vaccines", "a football final", "ancient Egypt", "a kind neighbour",
+    "the ocean tides", "a secret garden", "computers", "a desert caravan", "the seasons", "a talking cat",
+    "bridges", "a hospital night shift", "magnets", "a treasure map", "rainforests", "a school play",
+    "the Great Wall of China", "a lonely whale", "batteries", "a snowy cabin", "the solar system",
+    "a lost dog finding home", "democracy", "a jazz club", "sleep", "a space station", "trees in autumn",
+    "a flower shop", "gravity", "a music teacher", "the Olympic Games", "an island holiday", "bread making",
+    "a friendly dragon", "money", "a night sky full of stars", "rivers", "a cooking competition", "owls",
+    "a mystery letter", "public libraries",
+]
+TRAIN_TEMPLATES = {
+    "writing": ["Write a short story about {t}.", "Write a poem about {t}.",
+                "Write a diary entry from the point of view of {t}.", "Write a letter to a friend about {t}.",
+                "Write the opening paragraph of a novel about {t}."],
+    "explanation": ["Explain {t} to a ten-year-old.", "What is interesting about {t}? Answer in one paragraph.",
+                    "Describe {t} in simple words.", "Why do people care about {t}?",
+                    "Give a short explanation of {t} with one example."],
+    "lists": ["List five facts about {t}.", "Give me a list of ten words related to {t}.",
+              "List three questions a child might ask about {t}.", "Give me five tips related to {t}."],
+}
+TRAIN_CODE_TASKS = [
+    "sorts a list of numbers without using sort()", "finds the second largest number in a list",
+    "counts how often each letter appears in a string", "checks whether two words are anagrams",
+    "returns the average of a list", "converts a list of strings to upper case", "flattens a nested list",
+    "finds the common elements of two lists", "reads a text file and counts its lines",
+    "returns the greatest common divisor of two numbers", "capitalises the first letter of every word",
+    "checks whether a year is a leap year", "returns the squares of the numbers from 1 to n",
+    "removes the vowels from a string", "finds the longest word in a sentence", "reverses the order of words",
+]
+TRAIN_TEXTS = [
+    "The school library will open on Saturdays from next month. Volunteers from the parents' group will run it, "
+    "and pupils can borrow up to three books each. The head teacher hopes that more children will read at the "
+    "weekend, and the local bookshop has donated fifty new titles.",
+    "After a dry summer the river fell to its lowest level in forty years. Boats could not reach the harbour, and "
+    "farmers were asked to use less water. Heavy rain in October has since brought the river back to normal, but "
+    "the council plans to build a new reservoir.",
+    "A small company in the north has built a bicycle made almost entirely of bamboo. It weighs less than a steel "
+    "frame and absorbs bumps well. The founders sell about two hundred a year and want to open a second workshop.",
+    "Scientists tracked twenty sea turtles for three years with small satellite tags. The turtles swam thousands "
+    "of kilometres but returned to the same beaches to lay their eggs. The data will help protect their routes.",
+]
+TRAIN_SENTENCES = [
+    ("French", "The children are playing in the park."), ("Spanish", "Where can I buy a ticket?"),
+    ("German", "I have been learning to cook."), ("Italian", "The train leaves at seven o'clock."),
+    ("Portuguese", "My favourite colour is blue."), ("French", "Could you speak more slowly, please?"),
+    ("Spanish", "We had dinner with our friends last night."), ("German", "The shop is closed on Sundays."),
+    ("Italian", "I would like to visit Rome next year."), ("Dutch", "Good morning, how are you?"),
+    ("Spanish", "The library is next to the school."), ("French", "It is raining again today."),
+]
+FOLLOW_UPS = ["Thanks! Can you say more, and give an example?", "Can you make that shorter?",
+              "Interesting. What else should I know?", "Can you explain that in a different way?"]
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -95,6 +153,28 @@ def general_prompts() -> list[Prompt]:
     for i, p in enumerate(out):
         n = seen[p.domain] = seen.get(p.domain, -1) + 1
         out[i] = dataclasses.replace(p, split="heldout" if n % 4 == 3 else "train")
+    return out + train_only_prompts()
+
+
+def train_only_prompts() -> list[Prompt]:
+    """The train-only part: new topics under more templates, more code tasks, texts to summarise, sentences to
+    translate and multi-turn chats; every one ``split="train"``, none equal to a prompt of the first part."""
+    out: list[Prompt] = []
+    for domain, templates in TRAIN_TEMPLATES.items():
+        out += [Prompt(domain, _user(tpl.format(t=t))) for t in TRAIN_TOPICS for tpl in templates]
+        out += [Prompt(domain, _user(tpl.format(t=t))) for t in TOPICS for tpl in templates[len(TEMPLATES[domain]):]]
+    out += [Prompt("code", _user(f"Write a Python function that {task}.")) for task in TRAIN_CODE_TASKS]
+    out += [Prompt("code", _user(f"Explain what a Python function that {task} does, step by step."))
+            for task in TRAIN_CODE_TASKS]
+    asks = ("Summarise this text in two sentences:", "What is the main point of this text?",
+            "Give this text a title and a one-line summary:")
+    out += [Prompt("summarisation", _user(f"{ask}\n\n{text}")) for ask in asks for text in TRAIN_TEXTS]
+    out += [Prompt("summarisation", _user(f"{asks[2]}\n\n{text}")) for text in SUMMARY_TEXTS]
+    out += [Prompt("translation", _user(f"Translate into {lang}: {text}")) for lang, text in TRAIN_SENTENCES]
+    for i, t in enumerate(TRAIN_TOPICS):
+        first = TRAIN_TEMPLATES["explanation"][i % 5].format(t=t)
+        out.append(Prompt("chat", (("user", first), ("assistant", f"Sure. Here is a short answer about {t}."),
+                                   ("user", FOLLOW_UPS[i % len(FOLLOW_UPS)]))))
     return out
 
 

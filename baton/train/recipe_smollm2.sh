@@ -9,6 +9,8 @@
 #   SPLIT=1 GPUS=cuda:0,cuda:1 ...                                # SplitServe: target on the first, trainer on the second
 #   ABLATE=1 [ABL_STEPS=400] ...                                  # also the Markov-rank, depth and init ablations
 #   DSPARK_INIT=target ...                                        # DSpark layers start as the target's last layer
+#   FROM_SHIPPED=1 ...                                            # both drafts start from the shipped ones (train further)
+#   SAMPLES=2 ...                                                 # responses per prompt at each positive temperature
 #   SHIP=1 ...                                                    # copy the drafts into baton/drafts (the default)
 #   DATA_BUDGET=270 TRAIN_BUDGET=300 ...                          # seconds: cut generation / each training run to fit
 #   REUSE_DATA=1 ...                                              # keep an existing OUT/data/gsm8k.jsonl (no step 1)
@@ -37,12 +39,22 @@ DATA_BUDGET=(${DATA_BUDGET:+--time-budget "$DATA_BUDGET"})
 TRAIN_BUDGET=(${TRAIN_BUDGET:+--time-budget "$TRAIN_BUDGET"})
 EXTRA=${EXTRA:-general}
 EXTRA_PROMPTS=(); [ "$EXTRA" != none ] && EXTRA_PROMPTS=(--extra-prompts "$EXTRA")
+SAMPLES=${SAMPLES:-1}
+# FROM_SHIPPED=1: train the shipped drafts further (--init-from; DSpark's checkpoint also fixes its architecture)
+SHIPPED_DIR=${SHIPPED_DIR:-baton/drafts/smollm2-135m-instruct}
+INIT_N=(); INIT_D=(--init "${DSPARK_INIT:-random}")
+if [ "${FROM_SHIPPED:-0}" = 1 ]; then
+  SHIPPED_COPY=$OUT/shipped; rm -rf "$SHIPPED_COPY"; mkdir -p "$OUT"; cp -r "$SHIPPED_DIR" "$SHIPPED_COPY"  # SHIP=1 replaces it
+  INIT_N=(--init-from "$SHIPPED_COPY/nextn"); INIT_D=(--init-from "$SHIPPED_COPY/dspark")
+  LR=${LR:-3e-4}  # a fresh cosine schedule from trained weights, as benchmarks/train_more_dspark.sh
+fi
+LR=${LR:-6e-4}
 DATA=$OUT/data/gsm8k.jsonl
 HOLD=$OUT/data/gsm8k.holdout.jsonl
 EVAL_PROMPTS=${EVAL_PROMPTS:-32}
 EVAL_TOKENS=${EVAL_TOKENS:-256}  # also the report's --max-new-tokens
 EVAL=(--holdout-data "$HOLD" --eval-prompts "$EVAL_PROMPTS" --eval-max-new-tokens "$EVAL_TOKENS" --eval-every 0)
-COMMON=(--train-data "$DATA" --epochs "$EPOCHS" --batch-size 16 --lr 6e-4 --seed 0 --save-dtype bfloat16
+COMMON=(--train-data "$DATA" --epochs "$EPOCHS" --batch-size 16 --lr "$LR" --seed 0 --save-dtype bfloat16
         "${TRAIN_BUDGET[@]}")
 # Each command sees only the GPUs it uses (CUDA_VISIBLE_DEVICES), so inside it the first is always cuda:0.
 idx() { case $1 in cuda:*) echo "${1#cuda:}" ;; *) echo 0 ;; esac; }
@@ -62,18 +74,18 @@ stamp() { echo "[recipe] $1 done at $((SECONDS - t0)) s"; }
 #    EXTRA=none leaves it out), whose held-out split benchmarks/bench_domains.py measures on
 if [ -s "$DATA" ] && [ "${REUSE_DATA:-0}" = 1 ]; then echo "[recipe] reusing $DATA"; else
 on "$V0" baton train data --data-path "$GSM8K" --num-prompts "$NUM_PROMPTS" --prompt-formats chat,fewshot \
-    "${EXTRA_PROMPTS[@]}" --temperatures 0,0.7 --top-p 0.95 --max-new-tokens "$MAX_NEW" --holdout-frac 0.02 --data-seed 0 \
+    "${EXTRA_PROMPTS[@]}" --temperatures 0,0.7 --samples-per-temperature "$SAMPLES" --top-p 0.95 --max-new-tokens "$MAX_NEW" --holdout-frac 0.02 --data-seed 0 \
     --backend hf --gen-batch-size "$GEN_BATCH" --device "$D" --output "$DATA" "${DATA_BUDGET[@]}"
 fi
 stamp data
 
 # 2. NEXTN head (Ling MTP structure, one Llama layer), 3 chain steps unrolled; 3. DSpark, one layer, block 16
 on "$V0" baton train nextn "${COMMON[@]}" --output "$OUT/nextn" "${DEV_N[@]}" "${EVAL[@]}" --unroll-steps 3 \
-    --eval-num-steps 3 > "$OUT/nextn.log" 2>&1 &
+    --eval-num-steps 3 "${INIT_N[@]}" > "$OUT/nextn.log" 2>&1 &
 pid_n=$!
 [ "$G0" = "$G1" ] && { wait $pid_n; stamp nextn; }
 on "$V1" baton train dspark "${COMMON[@]}" --output "$OUT/dspark" "${DEV_D[@]}" "${EVAL[@]}" --num-layers 1 \
-    --block-size 16 --markov-rank 16 --target-layer-ids 1,27 --num-anchors 256 --init "${DSPARK_INIT:-random}" \
+    --block-size 16 --markov-rank 16 --target-layer-ids 1,27 --num-anchors 256 "${INIT_D[@]}" \
     > "$OUT/dspark.log" 2>&1
 stamp dspark
 wait $pid_n || { tail -20 "$OUT/nextn.log"; exit 1; }

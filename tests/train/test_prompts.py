@@ -43,3 +43,18 @@ def test_extra_prompts_general_is_the_train_split_only():
     assert [it.prompt_id for it in jobs.items] == [it.prompt_id for it in items[:5]]
     # a chat renders the same in every format: one job each, not one per format
     assert [(i, f) for i, _, f, _ in _work(jobs)] == [(i, 0) for i in range(5)]
+
+
+def test_train_only_part_leaves_the_heldout_split_and_indices_alone():
+    """The train-only prompts come after the first part, are never held out and repeat none of its prompts, so
+    every earlier prompt keeps its index (the data's prompt ids) and its split."""
+    from baton.train.prompts import train_only_prompts
+
+    prompts, extra = general_prompts(), train_only_prompts()
+    first = prompts[: len(prompts) - len(extra)]
+    assert prompts[len(first):] == extra and all(p.split == "train" for p in extra)
+    assert len(first) == 340 and sum(p.split == "heldout" for p in first) == 83
+    assert {d: len(v) for d, v in heldout_prompts().items()} == {
+        "writing": 22, "explanation": 22, "lists": 22, "code": 6, "summarisation": 2, "translation": 2, "chat": 7}
+    assert not {p.messages for p in first} & {p.messages for p in extra}
+    assert {p.domain for p in extra} == DOMAINS
