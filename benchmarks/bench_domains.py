@@ -127,7 +127,8 @@ def table(record: dict) -> str:
     if mean:
         fx, ad = mean["fixed"], mean["adaptive"]
         lines.append(f"| held-out mean ({fx['domains']} domains) | | | {f(fx['accept_length'], '{:.2f}')} | "
-                     f"{f(fx['speedup'], '{:.2f}')} | | {f(ad['accept_length'], '{:.2f}')} | {f(ad['speedup'], '{:.2f}')} |")
+                     f"{f(fx['speedup'], '{:.2f}')} | | {f(ad['accept_length'], '{:.2f}')} | "
+                     f"{f(ad['speedup'], '{:.2f}')} |")
     return "\n".join(lines)
 
 

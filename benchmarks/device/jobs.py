@@ -317,6 +317,28 @@ JOBS: list[Job] = [
         env={"GSM8K": "$TMP/gsm8k", "GPUS": "cuda:0,cuda:1", "NUM_PROMPTS": "3000", "EPOCHS": "2",
              "DATA_BUDGET": "240", "TRAIN_BUDGET": "300", "MAX_NEW": "320"},
         outputs=("train/nextn", "train/dspark", "train/drafts_gsm8k_*", "train/data/*.summary.json", "train/*.log")),
+    Job("finetune-drafts", "issue 25 on one GPU: the shipped drafts over the held-out domains (before), then "
+                           "baton/train/recipe_smollm2.sh FROM_SHIPPED=1 SHIP=1 on GSM8K + the general set's train "
+                           "split, then the domains again (after) for DSpark and NEXTN, and the story prompt",
+        commands=("mkdir -p $R/train",
+                  "OUT=$R/train python3 benchmarks/bench_domains.py --per-domain 3 --max-new-tokens 128 "
+                  "--gsm8k $TMP/gsm8k/test.jsonl --name domains_shipped_dspark --plot $R/train/domains_shipped.png",
+                  "OUT=$R/train python3 benchmarks/bench_domains.py --speculative-algorithm NEXTN "
+                  "--speculative-num-steps 3 --speculative-num-draft-tokens 4 --per-domain 3 --max-new-tokens 128 "
+                  "--gsm8k $TMP/gsm8k/test.jsonl --name domains_shipped_nextn",
+                  "bash baton/train/recipe_smollm2.sh $R/train",
+                  "OUT=$R/train python3 benchmarks/bench_domains.py --speculative-algorithm NEXTN "
+                  "--speculative-draft-model-path $R/train/nextn --speculative-num-steps 3 "
+                  "--speculative-num-draft-tokens 4 --per-domain 3 --max-new-tokens 128 "
+                  "--gsm8k $TMP/gsm8k/test.jsonl --name domains_nextn",
+                  "for a in none DSPARK NEXTN; do baton generate 'Write a short story about a robot who learns to "
+                  "paint.' --max-new-tokens 128 --speculative-algorithm $a; done > $R/train/story.log 2>&1"),
+        gpus=1, limit_s=1500, needs=("gguf", "gsm8k"), background=True,
+        env={"GSM8K": "$TMP/gsm8k", "GPUS": "cuda:0", "FROM_SHIPPED": "1", "SHIP": "1", "NUM_PROMPTS": "600",
+             "EPOCHS": "2", "DATA_BUDGET": "200", "TRAIN_BUDGET": "240", "MAX_NEW": "320",
+             "REPORT_QUESTIONS": "16"},
+        outputs=("train/nextn", "train/dspark", "train/drafts_gsm8k_*", "train/domains_*", "train/story.log",
+                 "train/data/*.summary.json", "train/*.log")),
     Job("train-dspark-more", "the shipped DSpark drafter trained further over both GPUs on more GSM8K data "
                              "(benchmarks/train_more_dspark.sh MODE=dp NEW_DATA=1), then STS and its GSM8K report",
         commands=("mkdir -p $R/train && tar xzf $TMP/traindata.tgz -C $R/train && "
