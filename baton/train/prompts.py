@@ -1,9 +1,9 @@
 """A general prompt set the project makes itself: templated tasks over seed topics, in seven domains beside GSM8K
 (writing, explanation, code, summarisation, lists, translation, multi-turn chat), split into train and held-out
 every fourth prompt of each domain held out (new topics go at the end of their lists, so the split of the
-existing prompts never changes). A second, train-only part (``TRAIN_TOPICS``, more templates, code tasks, texts and
-sentences) follows them: more variety for draft training, never held out, so the held-out split and every
-existing prompt's index stay as they were.
+existing prompts never changes). A second, train-only part (``TRAIN_TOPICS``, ``NEW_TEMPLATES``, more code
+tasks, texts and sentences) follows them: more variety for draft training, never held out, so the held-out
+split and every existing prompt's index stay as they were.
 
 It is the input of draft training beyond GSM8K (the target answers each prompt) and of the speculation benchmark
 over domains (benchmarks/bench_domains.py), which reads only the held-out split. Every prompt is a list of chat
@@ -76,15 +76,10 @@ TRAIN_TOPICS = [
     "a friendly dragon", "money", "a night sky full of stars", "rivers", "a cooking competition", "owls",
     "a mystery letter", "public libraries",
 ]
-TRAIN_TEMPLATES = {
-    "writing": ["Write a short story about {t}.", "Write a poem about {t}.",
-                "Write a diary entry from the point of view of {t}.", "Write a letter to a friend about {t}.",
-                "Write the opening paragraph of a novel about {t}."],
-    "explanation": ["Explain {t} to a ten-year-old.", "What is interesting about {t}? Answer in one paragraph.",
-                    "Describe {t} in simple words.", "Why do people care about {t}?",
-                    "Give a short explanation of {t} with one example."],
-    "lists": ["List five facts about {t}.", "Give me a list of ten words related to {t}.",
-              "List three questions a child might ask about {t}.", "Give me five tips related to {t}."],
+NEW_TEMPLATES = {  # beside TEMPLATES: the train-only part takes both over TRAIN_TOPICS, these over TOPICS
+    "writing": ["Write a letter to a friend about {t}.", "Write the opening paragraph of a novel about {t}."],
+    "explanation": ["Why do people care about {t}?", "Give a short explanation of {t} with one example."],
+    "lists": ["Give me five tips related to {t}."],
 }
 TRAIN_CODE_TASKS = [
     "sorts a list of numbers without using sort()", "finds the second largest number in a list",
@@ -134,21 +129,30 @@ def _user(text: str) -> tuple[tuple[str, str], ...]:
     return (("user", text),)
 
 
+def _code(tasks: list[str]) -> list[Prompt]:
+    """Each task as a "write it" prompt, then each as an "explain it" prompt."""
+    return ([Prompt("code", _user(f"Write a Python function that {task}.")) for task in tasks]
+            + [Prompt("code", _user(f"Explain what a Python function that {task} does, step by step."))
+               for task in tasks])
+
+
+def _chat(topic: str, first: str, follow_up: str) -> Prompt:
+    """A multi-turn chat: a first question, a short assistant turn about ``topic``, then the follow-up."""
+    return Prompt("chat", (("user", first), ("assistant", f"Sure. Here is a short answer about {topic}."),
+                           ("user", follow_up)))
+
+
 def general_prompts() -> list[Prompt]:
     """Every prompt of the set, in a fixed order, each with its split."""
     out: list[Prompt] = []
     for domain, templates in TEMPLATES.items():
         out += [Prompt(domain, _user(tpl.format(t=t))) for t in TOPICS for tpl in templates]
-    out += [Prompt("code", _user(f"Write a Python function that {task}.")) for task in CODE_TASKS]
-    out += [Prompt("code", _user(f"Explain what a Python function that {task} does, step by step."))
-            for task in CODE_TASKS]
+    out += _code(CODE_TASKS)
     for ask in ("Summarise this text in two sentences:", "What is the main point of this text?"):
         out += [Prompt("summarisation", _user(f"{ask}\n\n{text}")) for text in SUMMARY_TEXTS]
     out += [Prompt("translation", _user(f"Translate into {lang}: {text}")) for lang, text in TRANSLATE]
     for i, t in enumerate(TOPICS):  # multi-turn: a first exchange, then a follow-up
-        first = TEMPLATES["explanation"][i % 3].format(t=t)
-        out.append(Prompt("chat", (("user", first), ("assistant", f"Sure. Here is a short answer about {t}."),
-                                   ("user", "Thanks! Can you say more, and give an example?"))))
+        out.append(_chat(t, TEMPLATES["explanation"][i % 3].format(t=t), FOLLOW_UPS[0]))
     seen: dict[str, int] = {}
     for i, p in enumerate(out):
         n = seen[p.domain] = seen.get(p.domain, -1) + 1
@@ -160,21 +164,18 @@ def train_only_prompts() -> list[Prompt]:
     """The train-only part: new topics under more templates, more code tasks, texts to summarise, sentences to
     translate and multi-turn chats; every one ``split="train"``, none equal to a prompt of the first part."""
     out: list[Prompt] = []
-    for domain, templates in TRAIN_TEMPLATES.items():
-        out += [Prompt(domain, _user(tpl.format(t=t))) for t in TRAIN_TOPICS for tpl in templates]
-        out += [Prompt(domain, _user(tpl.format(t=t))) for t in TOPICS for tpl in templates[len(TEMPLATES[domain]):]]
-    out += [Prompt("code", _user(f"Write a Python function that {task}.")) for task in TRAIN_CODE_TASKS]
-    out += [Prompt("code", _user(f"Explain what a Python function that {task} does, step by step."))
-            for task in TRAIN_CODE_TASKS]
+    for domain, new in NEW_TEMPLATES.items():
+        out += [Prompt(domain, _user(tpl.format(t=t))) for t in TRAIN_TOPICS for tpl in TEMPLATES[domain] + new]
+        out += [Prompt(domain, _user(tpl.format(t=t))) for t in TOPICS for tpl in new]
+    out += _code(TRAIN_CODE_TASKS)
     asks = ("Summarise this text in two sentences:", "What is the main point of this text?",
             "Give this text a title and a one-line summary:")
     out += [Prompt("summarisation", _user(f"{ask}\n\n{text}")) for ask in asks for text in TRAIN_TEXTS]
     out += [Prompt("summarisation", _user(f"{asks[2]}\n\n{text}")) for text in SUMMARY_TEXTS]
     out += [Prompt("translation", _user(f"Translate into {lang}: {text}")) for lang, text in TRAIN_SENTENCES]
+    firsts = TEMPLATES["explanation"] + NEW_TEMPLATES["explanation"]
     for i, t in enumerate(TRAIN_TOPICS):
-        first = TRAIN_TEMPLATES["explanation"][i % 5].format(t=t)
-        out.append(Prompt("chat", (("user", first), ("assistant", f"Sure. Here is a short answer about {t}."),
-                                   ("user", FOLLOW_UPS[i % len(FOLLOW_UPS)]))))
+        out.append(_chat(t, firsts[i % len(firsts)].format(t=t), FOLLOW_UPS[i % len(FOLLOW_UPS)]))
     return out
 
 
