@@ -430,6 +430,7 @@ class Engine:
             if self.device.type == "cuda":
                 torch.cuda.current_stream(self.device).synchronize()  # the step in flight is discarded
             if not failed and self.prefix_cache is not None:
+                program.flush()  # the drafter's deferred extends: its rows are what the prefix cache copies
                 self._record_end(sequence, enqueued, seen)
             if self._observers:
                 trace = RequestTrace(req.rid, sequence, int(program.relay.pos))

@@ -13,11 +13,14 @@ from __future__ import annotations
 import torch
 
 RING = 4  # ring slots; the host lags one step, so 3 would do
+HISTORY = 32  # rows of the deferred-extend history ring (engine/step.py): the most depth-0 steps between extends
 
 
 class Relay:
     def __init__(self, max_tokens_per_step: int, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 feature_dim: int = 0) -> None:
+                 feature_dim: int = 0, history: tuple[str, ...] = ()) -> None:
+        """``history``: the drafter's deferred inputs (``Drafter.deferred_inputs``), kept per position in a ring of
+        HISTORY rows (slot = position mod HISTORY) by depth-0 steps, for the catch-up extend that follows them."""
         t = max_tokens_per_step
         kw = dict(device=device, dtype=torch.long)
         self.pos = torch.zeros(1, **kw)  # committed tokens = position of the anchor
@@ -36,6 +39,14 @@ class Relay:
         self.verify_hidden = torch.zeros(t, hidden_size, dtype=dtype, device=device)
         # Tapped target features of the verify rows, in the drafter's order (DSpark / DFlash).
         self.verify_features = torch.zeros(t, feature_dim, dtype=dtype, device=device) if feature_dim else None
+        # The deferred-extend history: what a depth-0 (plain decode) step leaves for the drafter's later catch-up,
+        # and how many positions the catch-up covers (the newest ones, up to pos - 1; set by the host, no sync).
+        h = HISTORY
+        self.hist_hidden = torch.zeros(h, hidden_size, dtype=dtype, device=device) if "hidden" in history else None
+        self.hist_next = torch.zeros(h, **kw) if "next" in history else None
+        self.hist_features = (torch.zeros(h, feature_dim, dtype=dtype, device=device)
+                              if "features" in history else None)
+        self.catchup_count = torch.ones(1, **kw)
         # A sampled request's settings (logits_to_probs_t), set by ``set_sampling`` before its first step.
         self.temperature = torch.ones(1, dtype=torch.float32, device=device)
         self.top_p = torch.ones(1, dtype=torch.float32, device=device)

@@ -11,6 +11,14 @@ the whole preallocated cache with a position mask (uncaptured on the CPU, the ho
 slices the cache instead: the same result), the accept count indexes the staged KDA state, the extend rows and
 the draft seed. The host therefore never needs a value a step produces to launch the next one.
 
+A depth-0 step of a speculative program is the plain decode step when the drafter can defer its extends
+(``Drafter.deferred_inputs``): it keeps the inputs the drafter's extend would read for the committed position in the
+relay's history ring, and the drafter catches up over the positions since its last extend in one batch (one body of
+HISTORY rows, newest last, repeated rows idempotent) before the next step that drafts, or when the ring is full. So
+when the depth policy turns speculation off, a step costs what plain decoding costs (plus one row copy), and the
+drafter's context is whole when speculation comes back. The host counts the deferred positions (a depth-0 step
+commits exactly one token), so the catch-up needs no value from the device.
+
 The verify honours ``relay.num_drafts`` (how many of the k drafts may be accepted; k unless the drafter says
 fewer): the shapes stay fixed at k + 1 rows, rows past the limit are computed and never committed.
 
@@ -29,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from baton.engine.relay import HISTORY
 from baton.layers.context import ForwardContext
 from baton.ops.sampling import logits_to_probs_t, sample_from_probs
 from baton.speculative.verify import greedy_verify_tokens, rejection_verify, verdict_from
@@ -67,7 +76,11 @@ class StepProgram:
             raise ValueError(f"depths {self.depths} must lie in [0, {self.max_depth}] and include {self.max_depth}")
         self.device = device
         feature_dim = drafter.feature_dim if drafter is not None else 0
-        self.relay = Relay(num_verify, model.config.hidden_size, dtype, device, feature_dim)
+        # depth 0 is the plain decode step, the drafter's extends deferred (module docstring)
+        self.defers = self.spec and self.depths[0] == 0 and bool(drafter.deferred_inputs)
+        history = drafter.deferred_inputs if self.defers else ()
+        self.relay = Relay(num_verify, model.config.hidden_size, dtype, device, feature_dim, history)
+        self.gap = 0  # positions committed by depth-0 steps since the drafter's last extend (host count)
         self.relay.slice_cache = not capture and device.type == "cpu"
         self.arange = torch.arange(num_verify, device=device)
         self.one = torch.ones(1, dtype=torch.long, device=device)
@@ -78,6 +91,10 @@ class StepProgram:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self._replays = {d: self._build(self._bodies(d, sampled=False)) for d in self.depths}
         self._sampled: dict[int, list] | None = None  # captured on the first sampled request
+        if self.defers:
+            self.history_arange = torch.arange(HISTORY, device=device)
+            self.history_last = torch.full((1,), HISTORY - 1, dtype=torch.long, device=device)
+            self._catch_up_replay = self._build([self._catch_up])[0]
 
     @property
     def replays(self) -> list:
@@ -85,7 +102,7 @@ class StepProgram:
         return self._replays[self.max_depth]
 
     def _bodies(self, depth: int, sampled: bool) -> list:
-        if not self.spec:
+        if not self.spec or (depth == 0 and self.defers):
             return [self._decode_sampled if sampled else self._decode]
         rows = self.arange[: depth + 1]
         verify = self._verify_sampled if sampled else self._verify
@@ -113,9 +130,6 @@ class StepProgram:
 
     # ---- the step bodies ----
 
-    def _ctx(self, mode: ForwardMode, positions: torch.Tensor, cache) -> ForwardContext:
-        return ForwardContext(mode, positions, cache, kv_len=self.relay.kv_len(positions.shape[0]))
-
     def _decode(self) -> None:
         self._decode_step(self.model.greedy_tokens)
 
@@ -123,12 +137,24 @@ class StepProgram:
         self._decode_step(lambda hidden: sample_from_probs(self._probs(hidden), None))
 
     def _decode_step(self, pick) -> None:
-        """One plain decode step: the anchor's forward, the next token by ``pick(hidden)``, the relay updated."""
+        """One plain decode step: the anchor's forward, the next token by ``pick(hidden)``, the relay updated. In a
+        speculative program (depth 0, deferred extends) the position's drafter inputs also go to the history ring."""
         r = self.relay
-        ctx = self._ctx(ForwardMode.DECODE, r.pos + self.arange[:1], self.cache)
+        capture = self.drafter.capture_layer_ids if self.defers and r.hist_features is not None else ()
+        ctx = ForwardContext(ForwardMode.DECODE, r.pos + self.arange[:1], self.cache, kv_len=r.kv_len(1),
+                             capture_layer_ids=capture)
         hidden = self.model(r.anchor, ctx)
         r.verify_hidden[:1].copy_(hidden)  # h of the last committed position (the prefix cache's snapshot)
         token = pick(hidden)
+        if self.defers:
+            slot = torch.remainder(r.pos, HISTORY)
+            if r.hist_hidden is not None:
+                r.hist_hidden.index_copy_(0, slot, hidden)
+            if r.hist_next is not None:
+                r.hist_next.index_copy_(0, slot, token.reshape(1))
+            if r.hist_features is not None:
+                r.hist_features.index_copy_(0, slot, self.drafter.features(ctx.captured))
+            r.num_accepted.zero_()  # verify_hidden[num_accepted] is the last committed position's h
         r.anchor.copy_(token)
         r.publish(token, self.one)
         r.pos.add_(1)
@@ -196,6 +222,21 @@ class StepProgram:
     def _extend(self, rows: torch.Tensor) -> None:
         self.drafter.extend(self.relay, rows)
 
+    def _catch_up(self) -> None:
+        """The drafter's deferred extend over the newest ``relay.catchup_count`` committed positions (at most
+        HISTORY, ending at pos - 1), from the history ring: HISTORY rows, the rows past the count repeating the
+        newest position (the same writes again), so the last row is the newest."""
+        r = self.relay
+        i = torch.minimum(self.history_arange, r.catchup_count - 1)
+        positions = (r.pos - r.catchup_count + i).clamp_min(0)
+        slots = torch.remainder(positions, HISTORY)
+
+        def rows(t):
+            return None if t is None else t.index_select(0, slots)
+
+        self.drafter.extend_rows(r, rows(r.hist_next), rows(r.hist_hidden), rows(r.hist_features), positions,
+                                 self.history_last)
+
     # ---- capture and replay ----
 
     def _capture(self, body) -> torch.cuda.CUDAGraph:
@@ -215,6 +256,7 @@ class StepProgram:
     def start(self, anchor: torch.Tensor, pos: int) -> None:
         """Load the relay after the prefill (and the drafter's begin)."""
         self.relay.reset(anchor, pos)
+        self.gap = 0
         if self.spec:
             self.drafter.start(self.relay)
 
@@ -222,34 +264,46 @@ class StepProgram:
         """Enqueue one decode step at ``depth`` (one of ``depths``; None: the full depth) and the copy of its
         committed tokens; returns without waiting."""
         replays = self._sampled_replays() if sampled else self._replays
-        for replay in replays[self.max_depth if depth is None else depth]:
+        depth = self.max_depth if depth is None else depth
+        if self.defers and self.gap and (depth > 0 or self.gap == HISTORY):
+            self.flush()  # the drafter drafts next, or the history ring is full
+        for replay in replays[depth]:
             replay()
+        if self.defers and depth == 0:
+            self.gap += 1
         self.relay.enqueue_copy(host_step)
 
-    def time_depths(self, repeats: int = 3) -> dict[int, float]:
+    def flush(self) -> None:
+        """Enqueue the drafter's deferred extends (no-op if none): before a step that drafts, when the history ring
+        is full, and before the prefix cache copies the drafter's rows at a request's end."""
+        if not self.gap:
+            return
+        self.relay.catchup_count.fill_(self.gap)  # a host value into the graph's input: a launch, no sync
+        self._catch_up_replay()
+        self.gap = 0
+
+    def time_depths(self, repeats: int = 5) -> dict[int, float]:
         """Milliseconds of one greedy step at each depth, measured now (between requests: it runs the bodies on
-        whatever the relay and caches hold, which the next request's prefill resets). The first run of each
-        depth is a warm-up."""
+        whatever the relay and caches hold, which the next request's prefill resets). The depths take turns, round
+        after round (a clock or load drift then moves them alike), the first round a warm-up; the median of the
+        rest."""
         import time
 
-        times: dict[int, float] = {}
+        samples: dict[int, list[float]] = {d: [] for d in self.depths}
+        cuda = self.device.type == "cuda"
         with torch.inference_mode():
-            for d in self.depths:
-                self.relay.pos.zero_()
-                self.relay.num_drafts.fill_(self.relay.max_drafts)
-                for replay in self._replays[d]:  # warm
-                    replay()
-                samples = []
-                for _ in range(repeats):
+            for rnd in range(repeats + 1):
+                for d in self.depths:
                     self.relay.pos.zero_()
-                    if self.device.type == "cuda":
+                    self.relay.num_drafts.fill_(self.relay.max_drafts)
+                    if cuda:
                         torch.cuda.synchronize(self.device)
                     t0 = time.perf_counter()
                     for replay in self._replays[d]:
                         replay()
-                    if self.device.type == "cuda":
+                    if cuda:
                         torch.cuda.synchronize(self.device)
-                    samples.append(1000 * (time.perf_counter() - t0))
-                times[d] = sorted(samples)[len(samples) // 2]
+                    if rnd:
+                        samples[d].append(1000 * (time.perf_counter() - t0))
         self.relay.pos.zero_()
-        return times
+        return {d: sorted(t)[len(t) // 2] for d, t in samples.items()}

@@ -41,6 +41,12 @@ class Drafter(ABC):
     # ``prefix_buffers`` and ``begin_from``; others run with the prefix cache off.
     supports_prefix_cache: bool = False
     needs_prev_hidden: bool = False  # begin_from(start > 0) needs the target's hidden state at start - 1
+    # Deferred extends (engine/step.py): the per-position inputs ``extend_rows`` reads, a subset of ("hidden": the
+    # target's final-normed hidden state h_i, "next": the token at i + 1, "features": the tapped features of i).
+    # A drafter that names them lets a depth-0 step be the plain decode step (the inputs go to the relay's history
+    # ring) and extends over those positions later, in one batch; empty: a depth-0 step verifies the anchor alone
+    # and extends over it at once.
+    deferred_inputs: tuple[str, ...] = ()
 
     @abstractmethod
     def reset(self) -> None:
@@ -82,6 +88,13 @@ class Drafter(ABC):
         """After the commit: verify rows 0..``relay.num_accepted`` (``relay.verify_hidden`` /
         ``relay.verify_features``) are committed at ``relay.extend_pos`` onwards; rows past the accept count may
         be written too (they land where the next step overwrites them before reading)."""
+
+    def extend_rows(self, relay: Relay, next_tokens: torch.Tensor | None, hidden: torch.Tensor | None,
+                    features: torch.Tensor | None, positions: torch.Tensor, last: torch.Tensor) -> None:
+        """Extend over committed rows at ``positions`` [n] from their ``deferred_inputs`` (the others None); row
+        ``last`` ([1] int64) is the newest committed position, which seeds the next draft. The same positions may
+        come more than once with the same inputs (the writes are idempotent)."""
+        raise NotImplementedError(f"{type(self).__name__} does not defer its extends (deferred_inputs is empty)")
 
     def features(self, captured: list[torch.Tensor]) -> torch.Tensor:
         """The tapped layer outputs of a verify, in the order ``relay.verify_features`` holds them (called only

@@ -227,6 +227,7 @@ class DSparkDrafter(Drafter):
         self._mask_ids = torch.full((self.block_rows - 1,), self.mask_token_id, dtype=torch.long, device=device)
 
     supports_prefix_cache = True
+    deferred_inputs = ("features",)  # a context row's K/V is a function of its position's features alone
 
     def prefix_buffers(self) -> list[tuple[torch.Tensor, int]]:
         """The context K/V of every draft layer: row i from the target's features at position i."""
@@ -288,7 +289,11 @@ class DSparkDrafter(Drafter):
         """Context K/V of every verify row at extend_pos + i; rows past the accept count land at positions the
         next block overwrites before any query reads them as context."""
         n = arange.shape[0]
-        self.model.write_context(relay.verify_features[:n], relay.extend_pos + arange, self.caches)
+        self.extend_rows(relay, None, None, relay.verify_features[:n], relay.extend_pos + arange, relay.num_accepted)
+
+    def extend_rows(self, relay, next_tokens, hidden, features, positions, last) -> None:
+        """Context K/V of ``features`` at ``positions`` (the block needs no seed: ``last`` is unused)."""
+        self.model.write_context(features, positions, self.caches)
 
 
 # ---- building from a SpecConfig ----

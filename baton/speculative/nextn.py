@@ -30,6 +30,12 @@ class NextNDrafter(Drafter):
     supports_prefix_cache = True
     needs_prev_hidden = True
 
+    @property
+    def deferred_inputs(self) -> tuple[str, ...]:
+        """Row i = (h_i, token i+1) is a function of its inputs alone for an attention head; a recurrent head's
+        state would advance over the repeated rows of a deferred extend, so it extends at every step."""
+        return () if self.runner.cache.state_buffers() else ("hidden", "next")
+
     def prefix_buffers(self) -> list[tuple[torch.Tensor, int]]:
         if self.runner.cache.state_buffers():
             return []  # a recurrent head's state would depend on the next token: not cacheable
@@ -77,8 +83,12 @@ class NextNDrafter(Drafter):
         """Replay every verify row of the step (rows past the accept count are overwritten before they are read);
         row ``num_accepted`` seeds the next round."""
         n = arange.shape[0]
-        g = self._forward(relay, ForwardMode.EXTEND, relay.accepted_tokens[:n], relay.verify_hidden[:n],
-                          relay.extend_pos + arange)
-        row = g.index_select(0, relay.num_accepted)
+        self.extend_rows(relay, relay.accepted_tokens[:n], relay.verify_hidden[:n], None, relay.extend_pos + arange,
+                         relay.num_accepted)
+
+    def extend_rows(self, relay, next_tokens, hidden, features, positions, last) -> None:
+        """The head over rows (h_i, token i+1) at ``positions``; row ``last`` seeds the next round."""
+        g = self._forward(relay, ForwardMode.EXTEND, next_tokens, hidden, positions)
+        row = g.index_select(0, last)
         relay.draft_hidden.copy_(row)
         relay.first_draft.copy_(self.target.greedy_tokens(row, draft=True))

@@ -177,6 +177,20 @@ JOBS: list[Job] = [
         commands=("python3 -m benchmarks.bench_domains --per-domain 3 --max-new-tokens 128 "
                   "--gsm8k $TMP/gsm8k/test.jsonl --name domains_h200 --plot $R/domains_h200.png",),
         gpus=1, limit_s=420, needs=("gguf", "gsm8k"), outputs=("domains_h200.json", "domains_h200.png")),
+    Job("adaptive-smollm2", "issue 25: adaptive depth with depth 0 as the plain decode step (deferred drafter "
+                            "extends): the domain table for DSpark (the default) and NEXTN, fixed and adaptive "
+                            "against plain, then the GPU test of depth changes (captured == uncaptured)",
+        commands=("python3 -m benchmarks.bench_domains --per-domain 5 --max-new-tokens 128 "
+                  "--gsm8k $TMP/gsm8k/test.jsonl --num-random 3 --name domains_dspark "
+                  "--plot $R/domains_dspark.png",
+                  "python3 -m benchmarks.bench_domains --speculative-algorithm NEXTN --speculative-num-steps 3 "
+                  "--speculative-num-draft-tokens 4 --per-domain 5 --max-new-tokens 128 "
+                  "--gsm8k $TMP/gsm8k/test.jsonl --num-random 3 --name domains_nextn --plot $R/domains_nextn.png",
+                  f"set -o pipefail; {PYTEST} -m gpu tests/engine/test_cuda_graphs.py -k depth "
+                  "--junitxml=$R/junit_depth.xml 2>&1 | tee $R/tests_depth.log"),
+        gpus=1, limit_s=330, needs=("gguf", "gsm8k"),
+        outputs=("domains_dspark.json", "domains_nextn.json", "domains_dspark.png", "domains_nextn.png",
+                 "junit_depth.xml")),
     Job("smollm2-decode-dummy", "the same decode on dummy weights at SmolLM2's config (no GGUF needed), with the "
                                 "HF compiled peer",
         commands=(f"python3 -m benchmarks.bench_smollm2_decode --model-path {SMOL_CONFIG} --load-format dummy "

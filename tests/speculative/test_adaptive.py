@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from baton.speculative.adaptive import AdaptiveDepth, FixedDepth, ScheduledDepth, default_depths
 from tests.speculative.conftest import make_engine
@@ -196,3 +197,67 @@ def test_one_good_probe_is_enough_to_speculate_again():
         d = p.choose()
     p.observe(8, 8)
     assert p.choice >= 4  # (weighed like a regular step, the probe would bring back depth 1 only)
+
+
+# ---- depth 0 is the plain decode step; the drafter catches up over the positions it skipped ----
+
+# runs of depth 0 longer than the history ring (HISTORY = 32: a flush when it fills), short ones, and depths that
+# draft right after them
+LONG = [4] + [0] * 40 + [4, 2] + [0] * 3 + [1] + [0] * 70 + [4, 0, 4]
+LONG_TOKENS = 150
+
+
+def _long_case(tmp_path, case: str, ling_path, llama_path, llama_nextn_path) -> tuple[str, dict]:
+    algorithm, target = case.split("-")
+    path = ling_path if target == "ling" else llama_path
+    if algorithm == "nextn":
+        extra = {} if target == "ling" else {"draft_model_path": llama_nextn_path}
+        return path, {"algorithm": "NEXTN", "num_steps": 4, **extra}
+    draft = _draft_for(tmp_path, path, block_size=4, markov_rank=64)
+    return path, {"algorithm": algorithm.upper(), "draft_model_path": draft, "num_draft_tokens": 5}
+
+
+def _drafter_rows(engine, upto: int) -> list:
+    return [t[:upto].clone() for t, _ in engine.drafter.prefix_buffers()]
+
+
+@pytest.mark.parametrize("case", ["nextn-ling", "nextn-llama", "dspark-ling", "dflash-llama"])
+def test_long_plain_runs_equal_plain_and_leave_the_drafter_whole(tmp_path, ling_path, llama_path, llama_nextn_path,
+                                                                  case):
+    """Depth-0 steps of a drafter that defers its extends are the plain decode body; greedy output over long runs of
+    them (past the history ring) equals plain decoding, and after the catch-ups the drafter's context rows equal
+    those of a run that drafted (and extended) at every step."""
+    from baton.engine.relay import HISTORY
+
+    path, spec = _long_case(tmp_path, case, ling_path, llama_path, llama_nextn_path)
+    reference, _ = run(make_engine(path), max_new_tokens=LONG_TOKENS)
+    deferred = make_engine(path, adaptive=True, **spec)
+    program = deferred.program
+    assert program.defers and program._replays[0] == [program._decode]  # depth 0: the plain step, nothing else
+    _scheduled(deferred, LONG)
+    flushed = []
+    flush = program.flush
+    program.flush = lambda: (flushed.append(program.gap), flush())
+    tokens, _ = run(deferred, max_new_tokens=LONG_TOKENS)
+    assert tokens == reference
+    assert flushed.count(HISTORY) >= 3 and set(flushed) - {HISTORY}, flushed  # full rings, and shorter gaps
+
+    full = make_engine(path, adaptive=True, **spec)
+    _scheduled(full, [4])
+    tokens, _ = run(full, max_new_tokens=LONG_TOKENS)
+    assert tokens == reference
+    program.flush()  # the tail's deferred positions
+    upto = min(int(program.relay.pos), int(full.program.relay.pos)) - 1
+    for a, b in zip(_drafter_rows(deferred, upto), _drafter_rows(full, upto), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_a_drafter_that_cannot_defer_verifies_at_depth_0(monkeypatch, plain, ling_path):
+    """Without deferred inputs (a drafter whose rows are not a function of their own inputs), a depth-0 step
+    verifies the anchor alone and extends at once, as before."""
+    engine = make_engine(ling_path, algorithm="NEXTN", num_steps=4, adaptive=True)
+    monkeypatch.setattr(type(engine.drafter), "deferred_inputs", ())
+    engine.set_drafter(engine.drafter)
+    assert not engine.program.defers and len(engine.program._replays[0]) == 2  # verify, extend
+    _scheduled(engine)
+    assert run(engine)[0] == plain["ling"]
