@@ -72,6 +72,25 @@ def test_probe_interval_backs_off_and_resets():
     assert p.interval == 16
 
 
+def test_a_request_starts_at_half_the_last_probe_interval():
+    """After a request whose probes all failed, the next one probes sooner than the last back-off (half its
+    interval), not at the base interval again; one whose probe paid starts at the base."""
+    p = _policy(prior=0.0, probe_interval=4, max_probe_interval=32)
+    p.begin_request()
+    _feed(p, lambda d: 0, 200)
+    assert p.interval == 32
+    p.begin_request()
+    assert p.interval == 16
+    chosen = _feed(p, lambda d: 0, 17)
+    assert chosen.index(8) == 16  # the first probe after 16 plain steps
+    assert p.interval == 32  # that probe failed: backed off again
+    p.begin_request()
+    assert p.interval == 16
+    _feed(p, lambda d: d, 40)  # a probe pays: speculation back, the interval reset
+    p.begin_request()
+    assert p.interval == 4
+
+
 def test_a_request_starts_from_what_earlier_requests_saw():
     p = _policy(prior=0.9)
     p.begin_request()
