@@ -260,7 +260,7 @@ def cfg_name(c) -> str:
         return "default"
     form = "gemv" if not c.dot else "swap" if c.swap else "dot"
     extra = (f"-st{c.num_stages}" if c.swap or (c.dot and c.num_stages > 1) else "") + ("-f16" if c.f16 else "") \
-        + ("-bits" if c.bits else "") + (f"-pf{c.prefetch}" if c.prefetch else "")
+        + ("-bits" if c.bits else "") + (f"-pf{c.prefetch}" if c.prefetch else "") + ("-tma" if c.tma else "")
     return f"{form}-{c.block_n}x{c.block_k}-s{c.split_k}-w{c.num_warps}{extra}"
 
 
@@ -607,8 +607,13 @@ def _old_table(path: Path) -> dict:
     return {(e["kind"], e["n_out"], e["k"], e["swiglu"]): e["config"] for e in json.loads(path.read_text())["entries"]}
 
 
+def _with_tma(cfgs: list) -> list:
+    """``cfgs`` and, for each pipelined swap-form one, the same tiles with the weights through a tensor descriptor."""
+    return cfgs + [dataclasses.replace(c, tma=True) for c in cfgs if c.dot and c.swap and c.num_stages > 1]
+
+
 def make_plans(shapes: list[Shape], dtypes: list[str], tune: bool, baseline: str | None,
-               tune_w8a8: bool = False) -> list[Plan]:
+               tune_w8a8: bool = False, tma: bool = False) -> list[Plan]:
     old = _old_table(Path(baseline) / "tuned" / "nvidia-h200.json") if baseline else {}
     plans = []
     for s in shapes:
@@ -618,8 +623,11 @@ def make_plans(shapes: list[Shape], dtypes: list[str], tune: bool, baseline: str
                 continue
             a8 = w8a8_candidates(s) if tune_w8a8 and fp8 else []
             a8_17 = w8a8_candidates(s, m17=True) if tune_w8a8 and fp8 else []
+            swap = swap_candidates(s, fp8) if tune else []
+            if tma:
+                a8, a8_17, swap = _with_tma(a8), _with_tma(a8_17), _with_tma(swap)
             if tune:
-                plans.append(Plan(s, fp8, gemv_candidates(s, fp8, old), swap_candidates(s, fp8),
+                plans.append(Plan(s, fp8, gemv_candidates(s, fp8, old), swap,
                                   legacy_candidates(s, fp8, old), rows_candidates(s, fp8), a8, a8_17))
             else:
                 plans.append(Plan(s, fp8, [], [], [], [], a8, a8_17))
@@ -852,7 +860,53 @@ def summary_w8a8(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def summary_tma(rows: list[dict]) -> str:
+    """The tune's best per-thread-load config against its best tensor-descriptor one, per shape, mode and M."""
+    best: dict = {}
+    for r in rows:
+        if r.get("phase") not in ("tune", "tune8") or "us" not in r or "config" not in r:
+            continue
+        mode = "w8a8" if r["phase"] == "tune8" else r["dtype"] if r["dtype"] == "bf16" else "w8a16"
+        key = (r["shape"], mode, r["M"], bool(r["config"].get("tma")))
+        if key not in best or r["us"] < best[key]["us"]:
+            best[key] = r
+    lines = ["| shape | mode | M | floor us | best loads: us / x floor (config) | best TMA: us / x floor (config) | "
+             "TMA vs loads |", "| --- " * 7 + "|"]
+    order = [s.name for s in SHAPES]
+    for shape, mode, m in sorted({k[:3] for k in best}, key=lambda k: (order.index(k[0]), k[1], k[2])):
+        a, b = best.get((shape, mode, m, False)), best.get((shape, mode, m, True))
+        if b is None:
+            continue
+
+        def cell(r):
+            return "-" if r is None else f"{r['us']:.2f} / {r['x_floor']:.2f}x ({r['impl'].split(':', 1)[-1]})"
+        sp = f"{a['us'] / b['us']:.2f}x" if a else "-"
+        fl = (a or b)["floor_us"]
+        lines.append(f"| {shape} | {mode} | {m} | {fl:.2f} | {cell(a)} | {cell(b)} | {sp} |")
+    return "\n".join(lines)
+
+
+def measured_bandwidth(nbytes: int = 2**30) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), median of 10 copies of ``nbytes``."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(10):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * nbytes / statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> None:
+    global BANDWIDTH
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default="decode_gemm.json", help="rows out")
     ap.add_argument("--shapes", nargs="+", default=[s.name for s in SHAPES], choices=[s.name for s in SHAPES])
@@ -866,16 +920,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tune-w8a8", action="store_true", help="sweep the w8a8 (act_fp8) configs of the fp8 shapes")
     ap.add_argument("--impls", nargs="+", default=["before", "baton", "cublas", "torch", "scaled_mm", "w8a8"],
                     help="the implementations of the final rows")
+    ap.add_argument("--tma", action="store_true",
+                    help="with --tune / --tune-w8a8: every pipelined swap-form candidate also with tma=True")
+    ap.add_argument("--bandwidth", default=str(BANDWIDTH),
+                    help="bytes/s of the floor (default the H200's 4.2e12), or 'measure': this GPU's copy rate")
     args = ap.parse_args(argv)
+    measured = measured_bandwidth()
+    BANDWIDTH = measured if args.bandwidth == "measure" else float(args.bandwidth)
     t0 = time.time()
     deadline = t0 + args.budget_s
     ms = tuple(args.m)
     shapes = [SHAPE_BY_NAME[n] for n in args.shapes]
-    plans = make_plans(shapes, args.dtypes, args.tune, args.baseline, args.tune_w8a8)
+    plans = make_plans(shapes, args.dtypes, args.tune, args.baseline, args.tune_w8a8, args.tma)
     mods = _load_baseline(args.baseline)
     rows: list[dict] = []
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version(),
-           "cold_bytes": COLD_BYTES, "min_calls": MIN_CALLS, "reps": REPS, "bandwidth": BANDWIDTH}
+           "cold_bytes": COLD_BYTES, "min_calls": MIN_CALLS, "reps": REPS, "bandwidth": BANDWIDTH,
+           "measured_copy_bandwidth": round(measured / 1e12, 3)}
     print(json.dumps(env), flush=True)
 
     def dump(extra: dict | None = None) -> None:
@@ -947,6 +1008,8 @@ def main(argv: list[str] | None = None) -> None:
     print(summary(rows), flush=True)
     if "w8a8" in impls:
         print(summary_w8a8(rows), flush=True)
+    if args.tma:
+        print(summary_tma(rows), flush=True)
     print(f"[{time.time() - t0:6.1f}s] done: {len(rows)} rows in {args.json}", flush=True)
 
 

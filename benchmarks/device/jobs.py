@@ -150,6 +150,17 @@ JOBS: list[Job] = [
                   "python3 -m benchmarks.ops.bench_fp8_linear --dense --rows 1 6 17 --json $R/fp8_dense_linear.json"),
         gpus=1, limit_s=330, env={"BATON_TEST_REPORT": "$R/figures.jsonl"},
         outputs=("junit.xml", "figures.jsonl", "fp8_dense_linear.json")),
+    Job("tma-gemm", "issue 22, item 2: decode-shape projections with the weight tiles through tensor descriptors "
+                    "(LinearConfig.tma): the tune's best per-thread-load config against its best TMA one at the "
+                    "Ling dense shapes, bf16, w8a16 and w8a8, M = 1..17, on this GPU (floor at its measured copy "
+                    "rate), then the TMA kernel tests compiled",
+        commands=(f"set -o pipefail; {PYTEST} -n 12 tests/ops/test_linear_tma.py --junitxml=$R/junit_tma.xml "
+                  "2>&1 | tee $R/tests_tma.log",
+                  "set -o pipefail; python3 benchmarks/bench_decode_gemm.py --tune --tune-w8a8 --tma "
+                  "--shapes kda_in_proj o_proj dense_gate_up dense_down shared_gate_up --m 1 6 17 "
+                  "--impls baton w8a8 cublas --bandwidth measure --budget-s 240 --workers 14 "
+                  "--json $R/decode_gemm_tma.json 2>&1 | tee $R/bench.log"),
+        gpus=1, limit_s=500, outputs=("decode_gemm_tma.json", "junit_*.xml")),
     Job("fp8-w8a8", "w8a8 fp8 dense projections (fp8 activations, fp8 x fp8 MMA): tune its configs into the fp8 "
                     "table, time w8a16 / w8a8 / cuBLAS-on-bf16 at every Ling fp8 dense shape (M = 1..17), then the "
                     "GPU tests of w8a8, the fp8 dense path and the decode GEMMs",

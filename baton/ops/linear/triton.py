@@ -100,7 +100,9 @@ class LinearConfig:
     ``f16`` (fp8 weights, swap form, bf16 / fp16 rows): the MMA in fp16. ``prefetch``: bytes of each of the
     program's weight rows prefetched into L2 before the PDL wait (0: none). ``cublas``: not a Triton launch at all;
     the dispatch runs the reference (cuBLAS) for this shape and bucket. ``bits`` (fp8 weights, GEMV and rows
-    forms): widen the weights by moving bits instead of conversion instructions."""
+    forms): widen the weights by moving bits instead of conversion instructions. ``tma`` (swap form with
+    ``num_stages`` > 1, Hopper+): the weight tiles come through a tensor descriptor (the copy engine, into shared
+    memory, the compiler's pipeline ``num_stages`` deep) instead of per-thread loads."""
 
     block_n: int
     block_k: int
@@ -113,6 +115,7 @@ class LinearConfig:
     prefetch: int = 0
     cublas: bool = False
     bits: bool = False
+    tma: bool = False  # swap form, num_stages > 1: weight tiles through the tensor-memory accelerator (Hopper+)
 
 
 # Measured winners, (kind, N_out, K, swiglu) -> config. Kind "gemv" is M == 1; "m4", "m8", "m16", "m32" are the
@@ -489,7 +492,7 @@ def _epilogue(acc, acc_up, out_ptr, res_ptr, offs_m, offs_n, M, N_OUT, stride_om
 
 @triton.jit
 def linear_kernel(
-    x_ptr, w_ptr, s_ptr, rb_ptr, nw_ptr, res_ptr, out_ptr, part_ptr, count_ptr,
+    x_ptr, w_ptr, w_desc, s_ptr, rb_ptr, nw_ptr, res_ptr, out_ptr, part_ptr, count_ptr,
     M, N_OUT,
     stride_xm, stride_wn, stride_sn, stride_rm, stride_om,
     eps, limit,
@@ -498,7 +501,7 @@ def linear_kernel(
     HAS_NORM: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
     FORM: tl.constexpr, S_MODE: tl.constexpr, ROW_MAP: tl.constexpr, SB: tl.constexpr, DOT_F16: tl.constexpr,
     BITS: tl.constexpr, PREFETCH: tl.constexpr, LOOKAHEAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, INTERPRET: tl.constexpr, ACT_FP8: tl.constexpr = False,
+    USE_PDL: tl.constexpr, INTERPRET: tl.constexpr, ACT_FP8: tl.constexpr = False, W_TMA: tl.constexpr = False,
 ):
     """out[M, N_OUT] = epilogue(prologue(x) @ dequantise(w).T). w has N_OUT rows (2 * N_OUT for SwiGLU: gate then
     up); fp8 (S_MODE > 0) with scales ``s_ptr`` [row blocks, cdiv(K, SB)] and, with ROW_MAP, each row's scale row
@@ -523,10 +526,16 @@ def linear_kernel(
         _prefetch_l2(w_ptr + row_off + k_lo, PREFETCH)
         if SWIGLU:
             _prefetch_l2(w_ptr + up_off + k_lo, PREFETCH)
-    w = _load_w(w_ptr, row_off, k_lo, k_hi, BLOCK_K, K_MASK)  # [BLOCK_N, BLOCK_K]
-    w_up = w
-    if SWIGLU:
-        w_up = _load_w(w_ptr, up_off, k_lo, k_hi, BLOCK_K, K_MASK)
+    if W_TMA:  # rows past the weight's end and columns past K arrive as zeros
+        w = w_desc.load([pid_n * BLOCK_N, k_lo])  # [BLOCK_N, BLOCK_K]
+        w_up = w
+        if SWIGLU:
+            w_up = w_desc.load([pid_n * BLOCK_N + N_OUT, k_lo])
+    else:
+        w = _load_w(w_ptr, row_off, k_lo, k_hi, BLOCK_K, K_MASK)  # [BLOCK_N, BLOCK_K]
+        w_up = w
+        if SWIGLU:
+            w_up = _load_w(w_ptr, up_off, k_lo, k_hi, BLOCK_K, K_MASK)
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -568,14 +577,20 @@ def linear_kernel(
             acc_up = _mac(acc_up, h, w_up, su0, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8)
         for i in range(1, N_CHUNKS):
             k0 = k_lo + i * BLOCK_K
-            w = _load_w(w_ptr, row_off, k0, k_hi, BLOCK_K, K_MASK)
+            if W_TMA:
+                w = w_desc.load([pid_n * BLOCK_N, k0])
+            else:
+                w = _load_w(w_ptr, row_off, k0, k_hi, BLOCK_K, K_MASK)
             h = _load_h(x_ptr, nw_ptr, offs_m, k0 + tl.arange(0, BLOCK_K), m_mask, k_hi, rstd, stride_xm, HAS_NORM,
                         H_DTYPE, INTERPRET)
             h, sx = _act_quant(h, ACT_FP8, INTERPRET)
             s = _load_s(s_base, k0, k_hi, BLOCK_K, SB, S_MODE)
             acc = _mac(acc, h, w, s, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8)
             if SWIGLU:
-                w_up = _load_w(w_ptr, up_off, k0, k_hi, BLOCK_K, K_MASK)
+                if W_TMA:
+                    w_up = w_desc.load([pid_n * BLOCK_N + N_OUT, k0])
+                else:
+                    w_up = _load_w(w_ptr, up_off, k0, k_hi, BLOCK_K, K_MASK)
                 s_u = _load_s(s_up, k0, k_hi, BLOCK_K, SB, S_MODE)
                 acc_up = _mac(acc_up, h, w_up, s_u, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8)
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
@@ -669,6 +684,22 @@ def _scale_mode(fp8: bool, form: int, cfg_block_n: int, block_k: int, n_out: int
     return S_SCALAR
 
 
+def _weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int):
+    """A tensor descriptor of ``weight`` [rows, K] for [block_n, block_k] tiles, or None where TMA cannot take it
+    (alignment, box sizes, a GPU before Hopper). Made per launch: a few Python attributes (a CUDA graph keeps the
+    encoded descriptor it captured; the weight never moves)."""
+    esize = weight.element_size()
+    if (weight.data_ptr() % 16 or (weight.stride(0) * esize) % 16 or block_n > 256 or block_k > 256
+            or block_k * esize < 16):
+        return None
+    if not env.triton_interpret() and _capability(weight.device.index or 0)[0] < 9:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(weight, shape=list(weight.shape), strides=[weight.stride(0), 1],
+                            block_shape=[block_n, block_k])
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
             residual: torch.Tensor | None, swiglu: bool, limit: float, config: LinearConfig | None,
             use_pdl: bool | None, scale: torch.Tensor | None = None,
@@ -724,10 +755,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | N
         prefetch = min(cfg.prefetch, last * esize) // 16 * 16
         if weight.data_ptr() % 16 or (weight.stride(0) * esize) % 16 or (k_per_split * esize) % 16:
             prefetch = 0
+    lookahead = not (form == SWAP and cfg.num_stages > 1)
+    w_desc = _weight_descriptor(weight, cfg.block_n, block_k) if cfg.tma and not lookahead else None
+    if w_desc is not None:
+        prefetch = 0
     extra = {"launch_pdl": True} if pdl else {}
     dot_f16 = bool(fp8 and cfg.f16 and form == SWAP and x.dtype != torch.float32 and not act_fp8)
     linear_kernel[(n_blocks, split_k)](
-        x2, weight, out if scale is None else scale, out if row_block is None else row_block,
+        x2, weight, w_desc, out if scale is None else scale, out if row_block is None else row_block,
         x2 if norm_weight is None else norm_weight, res2, out, part, counters,
         m, n_out,
         x2.stride(0), weight.stride(0), 0 if scale is None else scale.stride(0), res2.stride(0), out.stride(0),
@@ -738,9 +773,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | N
         HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, SWIGLU=swiglu, HAS_LIMIT=limit > 0,
         FORM=form, S_MODE=s_mode, ROW_MAP=row_block is not None, SB=SB, DOT_F16=dot_f16,
         BITS=bool(fp8 and cfg.bits and form in (GEMV, ROWS)), PREFETCH=prefetch,
-        LOOKAHEAD=not (form == SWAP and cfg.num_stages > 1),
+        LOOKAHEAD=lookahead,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        INTERPRET=env.triton_interpret(), ACT_FP8=act_fp8,
+        INTERPRET=env.triton_interpret(), ACT_FP8=act_fp8, W_TMA=w_desc is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
     return out.reshape(*x.shape[:-1], n_out)
