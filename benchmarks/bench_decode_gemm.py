@@ -110,7 +110,16 @@ SHAPES = [
     Shape("router", (512,), 2560, fp8=False, note="bf16; the layer calls x @ w.t() (cuBLAS) today"),
     Shape("lm_head", (157184,), 2560, norm=True, fp8=False, note="bf16"),
 ]
-SHAPE_BY_NAME = {s.name: s for s in SHAPES}
+# SmolLM2-135M-Instruct (the embedded model): d = 576, 9 heads + 3 KV heads of 64, MLP 1536, vocab 49152, bf16 only.
+SMOL_SHAPES = [
+    Shape("smol_qkv", (576, 192, 192), 576, norm=True, fp8=False, note="q|k|v, RMSNorm prologue"),
+    Shape("smol_o", (576,), 576, residual=True, fp8=False, note="o_proj, + residual"),
+    Shape("smol_gate_up", (1536, 1536), 576, norm=True, swiglu=True, fp8=False, note="MLP, SwiGLU epilogue"),
+    Shape("smol_down", (576,), 1536, residual=True, fp8=False, note="MLP down, + residual"),
+    Shape("smol_lm_head", (49152,), 576, norm=True, fp8=False, note="tied embedding"),
+]
+SHAPE_BY_NAME = {s.name: s for s in SHAPES + SMOL_SHAPES}
+SHAPE_ORDER = [s.name for s in SHAPES + SMOL_SHAPES]
 
 
 # ---- configs -------------------------------------------------------------------------------------------------
@@ -830,7 +839,7 @@ def summary(rows: list[dict]) -> str:
 
     def cell(r):
         return _cell(r, "{us:.2f} ({tbps:.2f}, {x_floor:.2f}x)")
-    order = [s.name for s in SHAPES]
+    order = SHAPE_ORDER
     keys = sorted({(k[0], k[1], k[2]) for k in final}, key=lambda k: (order.index(k[0]), k[1], k[2]))
     for shape, dt, m in keys:
         got = {i: final.get((shape, dt, m, i)) for i in ("before", "baton", "cublas", "torch")}
@@ -849,7 +858,7 @@ def summary_w8a8(rows: list[dict]) -> str:
 
     def cell(r):
         return _cell(r, "{us:.2f} / {tbps:.2f} / {x_floor:.2f}x")
-    order = [s.name for s in SHAPES]
+    order = SHAPE_ORDER
     for shape, m in sorted({(k[0], k[1]) for k in final}, key=lambda k: (order.index(k[0]), k[1])):
         a16, a8, cu = (final.get((shape, m, i)) for i in ("baton", "w8a8", "cublas"))
         fl = next((r["floor_us"] for r in (a16, a8) if r), 0)
@@ -872,7 +881,7 @@ def summary_tma(rows: list[dict]) -> str:
             best[key] = r
     lines = ["| shape | mode | M | floor us | best loads: us / x floor (config) | best TMA: us / x floor (config) | "
              "TMA vs loads |", "| --- " * 7 + "|"]
-    order = [s.name for s in SHAPES]
+    order = SHAPE_ORDER
     for shape, mode, m in sorted({k[:3] for k in best}, key=lambda k: (order.index(k[0]), k[1], k[2])):
         a, b = best.get((shape, mode, m, False)), best.get((shape, mode, m, True))
         if b is None:
@@ -909,7 +918,8 @@ def main(argv: list[str] | None = None) -> None:
     global BANDWIDTH
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", default="decode_gemm.json", help="rows out")
-    ap.add_argument("--shapes", nargs="+", default=[s.name for s in SHAPES], choices=[s.name for s in SHAPES])
+    ap.add_argument("--shapes", nargs="+", default=[s.name for s in SHAPES], choices=SHAPE_ORDER,
+                    help="default: the Ling-3.0-flash shapes; smol_*: SmolLM2-135M's")
     ap.add_argument("--dtypes", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"])
     ap.add_argument("--m", nargs="+", type=int, default=list(MS))
     ap.add_argument("--tune", action="store_true", help="sweep configs per shape and row bucket")

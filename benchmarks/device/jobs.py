@@ -159,8 +159,12 @@ JOBS: list[Job] = [
                   "set -o pipefail; python3 benchmarks/bench_decode_gemm.py --tune --tune-w8a8 --tma "
                   "--shapes kda_in_proj o_proj dense_gate_up dense_down shared_gate_up --m 1 6 17 "
                   "--impls baton w8a8 cublas --bandwidth measure --budget-s 240 --workers 14 "
-                  "--json $R/decode_gemm_tma.json 2>&1 | tee $R/bench.log"),
-        gpus=1, limit_s=500, outputs=("decode_gemm_tma.json", "junit_*.xml")),
+                  "--json $R/decode_gemm_tma.json 2>&1 | tee $R/bench.log",
+                  "set -o pipefail; python3 benchmarks/bench_decode_gemm.py --tune --tma --dtypes bf16 "
+                  "--shapes smol_qkv smol_o smol_gate_up smol_down --m 1 2 4 9 --impls baton cublas "
+                  "--bandwidth measure --budget-s 60 --workers 14 --json $R/decode_gemm_tma_smol.json "
+                  "2>&1 | tee $R/bench_smol.log"),
+        gpus=1, limit_s=560, outputs=("decode_gemm_tma.json", "decode_gemm_tma_smol.json", "junit_*.xml")),
     Job("fp8-w8a8", "w8a8 fp8 dense projections (fp8 activations, fp8 x fp8 MMA): tune its configs into the fp8 "
                     "table, time w8a16 / w8a8 / cuBLAS-on-bf16 at every Ling fp8 dense shape (M = 1..17), then the "
                     "GPU tests of w8a8, the fp8 dense path and the decode GEMMs",
