@@ -253,21 +253,38 @@ def legacy_candidates(s: Shape, fp8: bool, old_table: dict) -> list:
     return list(dict.fromkeys(out))
 
 
-def rows_candidates(s: Shape, fp8: bool) -> list:
-    """A few rows (M = 2..4) in the GEMV form (``dot=False``)."""
+def rows_candidates(s: Shape, fp8: bool, per_row: bool = False) -> list:
+    """A few rows (M = 2..4) in the GEMV form (``dot=False``); ``per_row``: also the per-row form (the GEMV form
+    row by row, any M) with the GEMV's tiles: whole-K chunks where K is short, K split to fill the SMs."""
     bk = 128 if fp8 else 256
     out = []
     for bn in (4, 8):
         nb = math.ceil(s.n_out / bn)
         out.append(_cfg(block_n=bn, block_k=bk, split_k=_fill(nb, s.k, bk, 264), num_warps=4, num_stages=1,
                         dot=False))
-    return out
+    if per_row:
+        rpc = 2 if s.swiglu else 1
+        row_map = fp8 and _row_map(s) is not None
+        bks = (128,) if row_map else (128, 256, 512) if fp8 else (512, 1024, 2048)
+        for bk in bks:
+            if bk > 2 * _pow2(s.k) or (not fp8 and bk > _pow2(s.k) and bk != _pow2(s.k)):
+                continue
+            bk = min(bk, _pow2(s.k))
+            for tile in (2048, 4096):
+                bn = max(2, min(32, tile // (bk * rpc)))
+                if fp8 and not row_map and bk > 128 and 128 % bn:
+                    continue
+                nb = math.ceil(s.n_out / bn)
+                for target in (264, 528):
+                    out.append(_cfg(block_n=bn, block_k=bk, split_k=_fill(nb, s.k, bk, target), num_warps=4,
+                                    num_stages=1, dot=False, per_row=True))
+    return list(dict.fromkeys(out))
 
 
 def cfg_name(c) -> str:
     if c is None:
         return "default"
-    form = "gemv" if not c.dot else "swap" if c.swap else "dot"
+    form = ("prow" if c.per_row else "gemv") if not c.dot else "swap" if c.swap else "dot"
     extra = (f"-st{c.num_stages}" if c.swap or (c.dot and c.num_stages > 1) else "") + ("-f16" if c.f16 else "") \
         + ("-bits" if c.bits else "") + (f"-pf{c.prefetch}" if c.prefetch else "") + ("-tma" if c.tma else "")
     return f"{form}-{c.block_n}x{c.block_k}-s{c.split_k}-w{c.num_warps}{extra}"
@@ -622,7 +639,7 @@ def _with_tma(cfgs: list) -> list:
 
 
 def make_plans(shapes: list[Shape], dtypes: list[str], tune: bool, baseline: str | None,
-               tune_w8a8: bool = False, tma: bool = False) -> list[Plan]:
+               tune_w8a8: bool = False, tma: bool = False, per_row: bool = False) -> list[Plan]:
     old = _old_table(Path(baseline) / "tuned" / "nvidia-h200.json") if baseline else {}
     plans = []
     for s in shapes:
@@ -637,7 +654,7 @@ def make_plans(shapes: list[Shape], dtypes: list[str], tune: bool, baseline: str
                 a8, a8_17, swap = _with_tma(a8), _with_tma(a8_17), _with_tma(swap)
             if tune:
                 plans.append(Plan(s, fp8, gemv_candidates(s, fp8, old), swap,
-                                  legacy_candidates(s, fp8, old), rows_candidates(s, fp8), a8, a8_17))
+                                  legacy_candidates(s, fp8, old), rows_candidates(s, fp8, per_row), a8, a8_17))
             else:
                 plans.append(Plan(s, fp8, [], [], [], [], a8, a8_17))
     return plans
@@ -650,8 +667,9 @@ def compile_jobs(p: Plan, ms: tuple[int, ...], baseline: bool) -> list[tuple[int
     jobs += [(1, "tune", dataclasses.asdict(c)) for c in p.gemv]
     for m in (12, 17):
         jobs += [(m, "tune", dataclasses.asdict(c)) for c in p.swap + p.legacy]
-    for m in (2, 4):
-        jobs += [(m, "tune", dataclasses.asdict(c)) for c in p.rows]
+    rows_ms = (2, 4, 6, 12, 17) if any(c.per_row for c in p.rows) else (2, 4)
+    for m in rows_ms:
+        jobs += [(m, "tune", dataclasses.asdict(c)) for c in p.rows if c.per_row or m <= 4]
     for m in (1, 12):  # w8a8: rows padded to 16 (M = 1 is a compile of its own: Triton specialises 1)
         jobs += [(m, "tune8", dataclasses.asdict(c)) for c in p.w8a8]
     jobs += [(17, "tune8", dataclasses.asdict(c)) for c in p.w8a8_m17]  # rows padded to 32
@@ -691,14 +709,16 @@ def tune_plan(p: Plan, w: Weights, mods: dict, out_rows: list, deadline: float) 
         if best is not None:
             winners[kind] = best
 
+    per_row = [c for c in p.rows if c.per_row]
     pick("gemv", run(1, p.gemv))
-    r12 = run(12, p.swap + p.legacy)
+    r12 = run(12, p.swap + p.legacy + per_row)
     pick("m16", r12)
     ranked = sorted((r for r in r12 if "us" in r and "config" in r), key=lambda r: r["us"])
     top = [_cfg(**r["config"]) for r in ranked[:3]]
-    pick("m8", run(6, top))
-    pick("m4", run(4, top + p.rows))
-    pick("m32", run(17, [_cfg(**r["config"]) for r in ranked[:8]]))
+    pr_top = [_cfg(**r["config"]) for r in ranked if r["config"].get("per_row")][:4]
+    pick("m8", run(6, list(dict.fromkeys(top + pr_top))))
+    pick("m4", run(4, list(dict.fromkeys(top + p.rows))))
+    pick("m32", run(17, list(dict.fromkeys([_cfg(**r["config"]) for r in ranked[:8]] + pr_top))))
     return winners
 
 
@@ -932,6 +952,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the implementations of the final rows")
     ap.add_argument("--tma", action="store_true",
                     help="with --tune / --tune-w8a8: every pipelined swap-form candidate also with tma=True")
+    ap.add_argument("--per-row", action="store_true", help="with --tune: the per-row form's candidates at every M")
     ap.add_argument("--bandwidth", default=str(BANDWIDTH),
                     help="bytes/s of the floor (default the H200's 4.2e12), or 'measure': this GPU's copy rate")
     args = ap.parse_args(argv)
@@ -941,7 +962,7 @@ def main(argv: list[str] | None = None) -> None:
     deadline = t0 + args.budget_s
     ms = tuple(args.m)
     shapes = [SHAPE_BY_NAME[n] for n in args.shapes]
-    plans = make_plans(shapes, args.dtypes, args.tune, args.baseline, args.tune_w8a8, args.tma)
+    plans = make_plans(shapes, args.dtypes, args.tune, args.baseline, args.tune_w8a8, args.tma, args.per_row)
     mods = _load_baseline(args.baseline)
     rows: list[dict] = []
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": _triton_version(),

@@ -13,8 +13,15 @@ A depth below the maximum leaves the deeper positions unobserved, and depth 0 ob
 than a regular step's, ``probe_decay``); a probe that does not bring a deeper choice doubles the interval (up to
 ``max_probe_interval``), one that does resets it. A request that turns predictable therefore gets its speculation
 back within a few probes. A request starts at half the interval the last one reached (at least
-``probe_interval``): after requests where speculation did not pay, a probe (a full-depth step, about twice a plain
+the base interval): after requests where speculation did not pay, a probe (a full-depth step, about twice a plain
 one on a GPU) comes rarely, yet sooner in each request than the last back-off would have it.
+
+What a probe costs depends on the device, so the intervals follow the step times: a probe that finds nothing costs
+``t(max) / t(0) - 1`` plain steps, and the base interval is at least that over ``probe_budget`` (the share of the
+decode time failed probes may take; 3%: about 33 steps on an H100, where a full-depth DSpark step is 2x a plain
+one, ~140 on a 2-core CPU, where a 3-step NEXTN one is 5x), the longest at least 4x the base. Where even a perfect
+draft cannot pay (every depth's ``(d + 1) / t(d)`` within ``min_gain`` of plain decoding's ``1 / t(0)``: the CPU
+with NEXTN, whose best is 5% at 100% acceptance), the policy never probes and decodes plainly.
 
 The step times t(d) come from ``StepProgram.time_depths`` at start-up (under tensor parallelism rank 0's, so
 every rank decides alike) and, when ``online_times`` is on (one process), an exponential moving average of the
@@ -64,7 +71,11 @@ class AdaptiveDepth:
 
     def __init__(self, depths: Sequence[int], step_ms: dict[int, float], *, prior: float = 0.6,
                  decay: float = 0.15, probe_decay: float = 0.5, time_decay: float = 0.1, probe_interval: int = 8,
-                 max_probe_interval: int = 64, online_times: bool = False) -> None:
+                 max_probe_interval: int = 64, online_times: bool = False, probe_budget: float | None = 0.03,
+                 min_gain: float = 0.05) -> None:
+        """``probe_interval`` / ``max_probe_interval``: the shortest base and longest interval between probes,
+        raised to the step times' cost (module docstring) unless ``probe_budget`` is None; ``min_gain``: the
+        speed-up at full acceptance below which speculation is not tried at all."""
         self.depths = tuple(sorted(depths))
         self.max_depth = self.depths[-1]
         missing = [d for d in self.depths if d not in step_ms]
@@ -72,15 +83,34 @@ class AdaptiveDepth:
             raise ValueError(f"step times needed (> 0) for every depth {self.depths}: got {step_ms}")
         self.step_ms = {d: float(step_ms[d]) for d in self.depths}
         self.decay, self.probe_decay, self.time_decay = decay, probe_decay, time_decay
-        self.base_interval, self.max_interval = probe_interval, max_probe_interval
+        self.min_interval, self.min_max_interval = probe_interval, max_probe_interval
+        self.probe_budget, self.min_gain = probe_budget, min_gain
         self.online_times = online_times
+        self._plan_probes()
         self.shared = [prior] * self.max_depth  # p_1..p_k across requests (the next request's start)
         self.p = list(self.shared)
-        self.interval = probe_interval
+        self.interval = self.base_interval
         self.since_full = 0  # steps chosen below the full depth since the last full-depth one
         self.choice = self.max_depth
 
+    def _plan_probes(self) -> None:
+        """The probe intervals and whether to probe at all, from the current step times."""
+        t0 = self.step_ms[0] if 0 in self.step_ms else None
+        base, longest = self.min_interval, self.min_max_interval
+        self.probing = True
+        if t0 is not None:
+            potential = max((d + 1) / self.step_ms[d] for d in self.depths if d > 0) * t0 if self.max_depth else 0
+            self.probing = potential >= 1 + self.min_gain
+            if self.probe_budget:
+                lost = max(0.0, self.step_ms[self.max_depth] / t0 - 1)
+                base = max(base, -(-lost // self.probe_budget))
+                longest = max(longest, 4 * base)
+        self.base_interval, self.max_interval = int(base), int(longest)
+        self.interval = min(max(getattr(self, "interval", base), self.base_interval), self.max_interval)
+
     def begin_request(self) -> None:
+        if self.online_times:
+            self._plan_probes()
         self.p = list(self.shared)
         self.interval = max(self.base_interval, self.interval // 2)
         self.since_full = 0
@@ -101,7 +131,7 @@ class AdaptiveDepth:
         """The depth of the next step."""
         if self.choice == self.max_depth:
             return self.choice
-        if self.since_full >= self.interval:  # a probe
+        if self.since_full >= self.interval and self.probing:  # a probe
             self.since_full = 0
             return self.max_depth
         self.since_full += 1

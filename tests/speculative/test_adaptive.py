@@ -63,7 +63,7 @@ def test_drops_depth_on_rejections_and_regains_it_on_acceptances():
 
 
 def test_probe_interval_backs_off_and_resets():
-    p = _policy(prior=0.0, probe_interval=4, max_probe_interval=16)
+    p = _policy(prior=0.0, probe_interval=4, max_probe_interval=16, probe_budget=None)
     p.begin_request()
     chosen = _feed(p, lambda d: 0, 100)
     probes = [i for i, d in enumerate(chosen) if d == 8]
@@ -75,7 +75,7 @@ def test_probe_interval_backs_off_and_resets():
 def test_a_request_starts_at_half_the_last_probe_interval():
     """After a request whose probes all failed, the next one probes sooner than the last back-off (half its
     interval), not at the base interval again; one whose probe paid starts at the base."""
-    p = _policy(prior=0.0, probe_interval=4, max_probe_interval=32)
+    p = _policy(prior=0.0, probe_interval=4, max_probe_interval=32, probe_budget=None)
     p.begin_request()
     _feed(p, lambda d: 0, 200)
     assert p.interval == 32
@@ -89,6 +89,35 @@ def test_a_request_starts_at_half_the_last_probe_interval():
     _feed(p, lambda d: d, 40)  # a probe pays: speculation back, the interval reset
     p.begin_request()
     assert p.interval == 4
+
+
+def test_probe_intervals_follow_the_step_times():
+    """A failed probe costs t(max) / t(0) - 1 plain steps: the base interval keeps failed probes to ~3% of the
+    decode time, and over a long run of rejections the probes' extra time stays near that."""
+    p = _policy(prior=0.9)
+    assert p.base_interval == 27 and p.max_interval == 108  # 0.8 steps lost a probe, 3% budget
+    p.begin_request()
+    chosen = _feed(p, lambda d: 0, 600)
+    tail = chosen[30:]
+    extra = sum(TIMES[d] - TIMES[0] for d in tail) / (len(tail) * TIMES[0])
+    assert 0 < tail.count(8) and extra <= 0.03
+    gpu = AdaptiveDepth([0, 1, 2, 4, 8], {0: 0.558, 1: 1.02, 2: 1.03, 4: 1.04, 8: 1.12})  # H100, DSpark gamma 8
+    assert gpu.probing and gpu.base_interval == 34
+
+
+def test_no_probes_where_speculation_cannot_pay():
+    """Step times under which even every draft accepted gains < 5% (a 2-core CPU with NEXTN: depth 3 costs 5x a
+    plain step): the policy settles on plain decoding and never probes; with cheap verifies it does probe."""
+    cpu = {0: 4.96, 1: 9.65, 2: 14.26, 3: 25.15}
+    p = AdaptiveDepth(sorted(cpu), cpu)
+    assert not p.probing
+    p.begin_request()
+    chosen = _feed(p, lambda d: 0, 400)
+    first0 = chosen.index(0)
+    assert set(chosen[first0:]) == {0}
+    p.begin_request()
+    assert _feed(p, lambda d: d, 200) == [0] * 200  # nothing tells it otherwise: it never pays for a draft
+    assert _policy().probing
 
 
 def test_a_request_starts_from_what_earlier_requests_saw():

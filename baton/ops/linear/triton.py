@@ -12,6 +12,10 @@ Design (bandwidth-bound at batch 1; every weight byte is read exactly once):
   - GEMV (M == 1): broadcast multiply into a [BLOCK_N, BLOCK_K] fp32 accumulator, reduced over K once at the end;
     weight tiles loaded one chunk ahead (a register double buffer).
   - rows (``dot=False``, a few rows): each chunk's row-times-tile products reduced over K, same look-ahead.
+  - per-row (``dot=False, per_row=True``, a few rows): the GEMV form row by row over the chunk's tile (widened
+    once), each row's chunk loaded and normalised on its own and reduced over K at once: registers of one row, and
+    a whole-K chunk (BLOCK_K >= K: no loop) for the short K of small models, where the dot forms pay a pipeline's
+    ramp and a split-K's second pass for a few KB of weights per program.
   - dot (``dot=True``): ``tl.dot`` of the rows padded to 16 (32 past 16 rows) times the tile, same look-ahead.
   - swap (``dot=True, swap=True``): ``tl.dot(tile, rows.T)``, the weight tile as the MMA's wide side (BLOCK_N >= 64
     takes Hopper's wgmma) and the padded rows as its narrow one; with ``num_stages`` > 1 no register look-ahead:
@@ -87,7 +91,7 @@ NUM_COUNTERS = 16384  # split-K column blocks per device (one int32 each)
 SB = 128  # fp8 block-scale size (baton.ops.quant.fp8.BLOCK)
 
 # Kernel forms (constexpr FORM) and fp8 scale modes (constexpr S_MODE).
-GEMV, ROWS, DOT, SWAP = 0, 1, 2, 3
+GEMV, ROWS, DOT, SWAP, PER_ROW = 0, 1, 2, 3, 4
 S_NONE, S_SCALAR, S_KVEC, S_ROWVEC = 0, 1, 2, 3
 
 
@@ -102,7 +106,9 @@ class LinearConfig:
     the dispatch runs the reference (cuBLAS) for this shape and bucket. ``bits`` (fp8 weights, GEMV and rows
     forms): widen the weights by moving bits instead of conversion instructions. ``tma`` (swap form with
     ``num_stages`` > 1, Hopper+): the weight tiles come through a tensor descriptor (the copy engine, into shared
-    memory, the compiler's pipeline ``num_stages`` deep) instead of per-thread loads."""
+    memory, the compiler's pipeline ``num_stages`` deep) instead of per-thread loads. ``per_row`` (M > 1,
+    ``dot=False``): each chunk's weight tile widened once and reduced against each row in turn (its chunk loaded on
+    its own), so a verify's few rows cost the GEMV's registers, not a [rows, BLOCK_N, BLOCK_K] product's."""
 
     block_n: int
     block_k: int
@@ -116,6 +122,7 @@ class LinearConfig:
     cublas: bool = False
     bits: bool = False
     tma: bool = False  # swap form, num_stages > 1: weight tiles through the tensor-memory accelerator (Hopper+)
+    per_row: bool = False  # M > 1 with dot=False: the GEMV form once per row over the same weight tile
 
 
 # Measured winners, (kind, N_out, K, swiglu) -> config. Kind "gemv" is M == 1; "m4", "m8", "m16", "m32" are the
@@ -468,6 +475,55 @@ def _mac(acc, h, w, s, FORM: tl.constexpr, S_MODE: tl.constexpr, DOT_F16: tl.con
 
 
 @triton.jit
+def _mac_rows(acc, acc_up, x_ptr, nw_ptr, rstd, offs_m, offs_k, k_hi, stride_xm, M, w, w_up, s, s_u,
+              BLOCK_M: tl.constexpr, SWIGLU: tl.constexpr, HAS_NORM: tl.constexpr, H_DTYPE: tl.constexpr,
+              S_MODE: tl.constexpr, BITS: tl.constexpr, INTERPRET: tl.constexpr):
+    """The per-row form's chunk: the tile (and the up tile) widened once; then for each row r < M its chunk,
+    normalised exactly as ``_load_h`` does, reduced against it into row r of acc [BLOCK_M, BLOCK_N]. fp8 scales as
+    the rows form (S_KVEC on the row's chunk, S_SCALAR / S_ROWVEC on the product)."""
+    if BITS:
+        wf = _e4m3_bits(w)
+        s = s * 1.329227995784916e36  # 2^120
+    else:
+        wf = w.to(tl.float32)
+    uf = wf
+    if SWIGLU:
+        if BITS:
+            uf = _e4m3_bits(w_up)
+            s_u = s_u * 1.329227995784916e36
+        else:
+            uf = w_up.to(tl.float32)
+    k_mask = offs_k < k_hi
+    if HAS_NORM:
+        nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+    for r in tl.static_range(BLOCK_M):
+        if r < M:
+            x = tl.load(x_ptr + r * stride_xm + offs_k, mask=k_mask, other=0.0)
+            if HAS_NORM:
+                rs = tl.sum(tl.where(offs_m == r, rstd, 0.0), axis=0)
+                y = _round(x.to(tl.float32) * rs, x.dtype, INTERPRET)
+                h = _round(y * nw, H_DTYPE, INTERPRET)
+            else:
+                h = x.to(tl.float32)
+            hg = h
+            if S_MODE == 2:
+                hg = h * s
+            part = tl.sum(wf * hg[None, :], axis=1)  # [BLOCK_N]
+            if S_MODE == 1 or S_MODE == 3:
+                part = part * s
+            acc = tl.where(offs_m[:, None] == r, acc + part[None, :], acc)
+            if SWIGLU:
+                hu = h
+                if S_MODE == 2:
+                    hu = h * s_u
+                part_u = tl.sum(uf * hu[None, :], axis=1)
+                if S_MODE == 1 or S_MODE == 3:
+                    part_u = part_u * s_u
+                acc_up = tl.where(offs_m[:, None] == r, acc_up + part_u[None, :], acc_up)
+    return acc, acc_up
+
+
+@triton.jit
 def _epilogue(acc, acc_up, out_ptr, res_ptr, offs_m, offs_n, M, N_OUT, stride_om, stride_rm, limit,
               Y_DTYPE: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
               INTERPRET: tl.constexpr):
@@ -604,16 +660,29 @@ def linear_kernel(
             w_next = _load_w(w_ptr, row_off, k0 + BLOCK_K, k_hi, BLOCK_K, K_MASK)  # look-ahead; zeros past k_hi
             if SWIGLU:
                 w_up_next = _load_w(w_ptr, up_off, k0 + BLOCK_K, k_hi, BLOCK_K, K_MASK)
-            h = _load_h(x_ptr, nw_ptr, offs_m, k0 + tl.arange(0, BLOCK_K), m_mask, k_hi, rstd, stride_xm, HAS_NORM,
-                        H_DTYPE, INTERPRET)
-            h, sx = _act_quant(h, ACT_FP8, INTERPRET)
-            s = _load_s(s_base, k0, k_hi, BLOCK_K, SB, S_MODE)
-            acc = _mac(acc, h, w, s, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8)
-            w = w_next
-            if SWIGLU:
-                s_u = _load_s(s_up, k0, k_hi, BLOCK_K, SB, S_MODE)
-                acc_up = _mac(acc_up, h, w_up, s_u, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8)
-                w_up = w_up_next
+            if FORM == 4:
+                s = _load_s(s_base, k0, k_hi, BLOCK_K, SB, S_MODE)
+                s_u = s
+                if SWIGLU:
+                    s_u = _load_s(s_up, k0, k_hi, BLOCK_K, SB, S_MODE)
+                acc, acc_up = _mac_rows(acc, acc_up, x_ptr, nw_ptr, rstd, offs_m, k0 + tl.arange(0, BLOCK_K), k_hi,
+                                        stride_xm, M, w, w_up, s, s_u, BLOCK_M, SWIGLU, HAS_NORM, H_DTYPE, S_MODE,
+                                        BITS, INTERPRET)
+                w = w_next
+                if SWIGLU:
+                    w_up = w_up_next
+            else:
+                h = _load_h(x_ptr, nw_ptr, offs_m, k0 + tl.arange(0, BLOCK_K), m_mask, k_hi, rstd, stride_xm,
+                            HAS_NORM, H_DTYPE, INTERPRET)
+                h, sx = _act_quant(h, ACT_FP8, INTERPRET)
+                s = _load_s(s_base, k0, k_hi, BLOCK_K, SB, S_MODE)
+                acc = _mac(acc, h, w, s, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8)
+                w = w_next
+                if SWIGLU:
+                    s_u = _load_s(s_up, k0, k_hi, BLOCK_K, SB, S_MODE)
+                    acc_up = _mac(acc_up, h, w_up, s_u, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx,
+                                  ACT_FP8)
+                    w_up = w_up_next
         if FORM == 0:
             acc = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
             if SWIGLU:
@@ -727,12 +796,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | N
             res2 = res2.contiguous()
     cfg = config or pick_config(m, n_out, k, swiglu, fp8, act_fp8)
     use_dot = (m > 1 or act_fp8) and cfg.dot
-    form = (SWAP if cfg.swap else DOT) if use_dot else (ROWS if m > 1 else GEMV)
+    form = (SWAP if cfg.swap else DOT) if use_dot else ((PER_ROW if cfg.per_row else ROWS) if m > 1 else GEMV)
     block_m = max(16, _pow2_at_least(m)) if use_dot else _pow2_at_least(m)
     block_k = cfg.block_k
     if act_fp8:
         assert form == SWAP and block_k == SB, "w8a8 takes the swap form with BLOCK_K = 128 (one activation group)"
-    if fp8 and block_k > SB and (form >= DOT or row_block is not None or SB % cfg.block_n or (swiglu and n_out % SB)):
+    if fp8 and block_k > SB and (form in (DOT, SWAP) or row_block is not None or SB % cfg.block_n
+                                 or (swiglu and n_out % SB)):
         block_k = SB  # these forms need a chunk inside one scale column
     if use_dot:
         assert cfg.block_n >= 16 and block_k >= 16, "tl.dot needs BLOCK_N, BLOCK_K >= 16"
@@ -772,7 +842,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | N
         STATS_BK=min(_pow2_at_least(k), 8192 // block_m),
         HAS_NORM=norm_weight is not None, HAS_RES=residual is not None, SWIGLU=swiglu, HAS_LIMIT=limit > 0,
         FORM=form, S_MODE=s_mode, ROW_MAP=row_block is not None, SB=SB, DOT_F16=dot_f16,
-        BITS=bool(fp8 and cfg.bits and form in (GEMV, ROWS)), PREFETCH=prefetch,
+        BITS=bool(fp8 and cfg.bits and form in (GEMV, ROWS, PER_ROW)), PREFETCH=prefetch,
         LOOKAHEAD=lookahead,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         INTERPRET=env.triton_interpret(), ACT_FP8=act_fp8, W_TMA=w_desc is not None,
