@@ -86,10 +86,10 @@ class AdaptiveDepth:
         self.min_interval, self.min_max_interval = probe_interval, max_probe_interval
         self.probe_budget, self.min_gain = probe_budget, min_gain
         self.online_times = online_times
-        self._plan_probes()
+        self.interval = probe_interval
+        self._plan_probes()  # raises it to the base interval
         self.shared = [prior] * self.max_depth  # p_1..p_k across requests (the next request's start)
         self.p = list(self.shared)
-        self.interval = self.base_interval
         self.since_full = 0  # steps chosen below the full depth since the last full-depth one
         self.choice = self.max_depth
 
@@ -106,7 +106,7 @@ class AdaptiveDepth:
                 base = max(base, -(-lost // self.probe_budget))
                 longest = max(longest, 4 * base)
         self.base_interval, self.max_interval = int(base), int(longest)
-        self.interval = min(max(getattr(self, "interval", base), self.base_interval), self.max_interval)
+        self.interval = min(max(self.interval, self.base_interval), self.max_interval)
 
     def begin_request(self) -> None:
         if self.online_times:

@@ -14,32 +14,9 @@ import torch
 
 from baton.ops.fp8_linear import naive as fp8_ref
 from baton.ops.linear import naive
-from baton.ops.quant import quantize_fp8_parts, row_block_map
-from tests.ops.triton_support import interpreted_module
+from tests.ops.test_linear_tma import DEV, _fp8_weight, _ft, _lt, _rows, rel_err
 
 CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-
-
-def _lt():
-    return interpreted_module("baton.ops.linear.triton")
-
-
-def _ft():
-    return interpreted_module("baton.ops.fp8_linear.triton")
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def _rows(m: int, n: int, k: int, dtype: torch.dtype, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(m, k, generator=gen) * 2 + 0.1).to(dtype)
-    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype)
-    nw = (torch.rand(k, generator=gen) + 0.5).to(dtype)
-    res = torch.randn(m, n, generator=gen).to(dtype)
-    return [t.to(DEV) for t in (x, w, nw, res)]
 
 
 # (block_n, block_k, split_k): K = 70 in one 128-wide chunk; 32-wide chunks with a partial last one; a split of 2
@@ -74,14 +51,6 @@ def test_per_row_matches_the_reference(dtype, m, tiles, fusion):
     assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 1e-2)
     if not CUDA:
         assert torch.equal(got, base), "the per-row form sums what the rows form sums, in the same order"
-
-
-def _fp8_weight(parts: list[int], k: int, seed: int, scale: float = 1.0):
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(sum(parts), k, generator=gen) * k**-0.5 * scale
-    q, s = quantize_fp8_parts(w, parts)
-    rb = row_block_map(parts)
-    return q.to(DEV), s.to(DEV), None if rb is None else torch.tensor(rb, dtype=torch.int32, device=DEV)
 
 
 @pytest.mark.parametrize("m", [3, 17])

@@ -668,21 +668,19 @@ def linear_kernel(
                 acc, acc_up = _mac_rows(acc, acc_up, x_ptr, nw_ptr, rstd, offs_m, k0 + tl.arange(0, BLOCK_K), k_hi,
                                         stride_xm, M, w, w_up, s, s_u, BLOCK_M, SWIGLU, HAS_NORM, H_DTYPE, S_MODE,
                                         BITS, INTERPRET)
-                w = w_next
-                if SWIGLU:
-                    w_up = w_up_next
             else:
                 h = _load_h(x_ptr, nw_ptr, offs_m, k0 + tl.arange(0, BLOCK_K), m_mask, k_hi, rstd, stride_xm,
                             HAS_NORM, H_DTYPE, INTERPRET)
                 h, sx = _act_quant(h, ACT_FP8, INTERPRET)
                 s = _load_s(s_base, k0, k_hi, BLOCK_K, SB, S_MODE)
                 acc = _mac(acc, h, w, s, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8)
-                w = w_next
                 if SWIGLU:
                     s_u = _load_s(s_up, k0, k_hi, BLOCK_K, SB, S_MODE)
                     acc_up = _mac(acc_up, h, w_up, s_u, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx,
                                   ACT_FP8)
-                    w_up = w_up_next
+            w = w_next
+            if SWIGLU:
+                w_up = w_up_next
         if FORM == 0:
             acc = tl.sum(acc, axis=1)[None, :]  # [1, BLOCK_N]
             if SWIGLU:
