@@ -166,11 +166,11 @@ JOBS: list[Job] = [
                   "2>&1 | tee $R/tests_per_row.log",
                   "set -o pipefail; python3 benchmarks/bench_decode_gemm.py --tune --per-row --write-table --dtypes "
                   "bf16 fp8 --shapes kda_in_proj o_proj dense_down shared_gate_up eh_proj --m 1 6 17 --impls baton "
-                  "cublas --bandwidth measure --budget-s 100 --workers 14 --json $R/decode_gemm_ling.json 2>&1 "
+                  "cublas --bandwidth measure --budget-s 90 --workers 14 --json $R/decode_gemm_ling.json 2>&1 "
                   "| tee $R/bench_ling.log",
                   "mkdir -p $R/tables_ling && cp baton/ops/linear/tuned/*.json $R/tables_ling/ && for f in "
                   "baton/ops/fp8_linear/tuned/*.json; do cp $f $R/tables_ling/fp8-$(basename $f); done"),
-        gpus=1, limit_s=570, outputs=("decode_gemm_smol.json", "decode_gemm_ling.json", "census_*.jsonl", "tables",
+        gpus=1, limit_s=560, outputs=("decode_gemm_smol.json", "decode_gemm_ling.json", "census_*.jsonl", "tables",
                                       "tables_ling", "before", "junit_*.xml")),
     Job("tma-gemm", "issue 22, item 2: decode-shape projections with the weight tiles through tensor descriptors "
                     "(LinearConfig.tma): the tune's best per-thread-load config against its best TMA one at the "
