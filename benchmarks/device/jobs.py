@@ -150,10 +150,10 @@ JOBS: list[Job] = [
                   "python3 -m benchmarks.ops.bench_fp8_linear --dense --rows 1 6 17 --json $R/fp8_dense_linear.json"),
         gpus=1, limit_s=330, env={"BATON_TEST_REPORT": "$R/figures.jsonl"},
         outputs=("junit.xml", "figures.jsonl", "fp8_dense_linear.json")),
-    Job("per-row-gemm", "issue 22 items 2 and 6, issue 25's verify cost: the per-row form (a verify's few rows as the "
-                        "GEMV form row by row) in the tune; SmolLM2 step censuses with this GPU's table as it was, "
-                        "its shapes tuned and written into this GPU's table, the censuses again, the per-row kernel "
-                        "tests compiled; then the Ling dense shapes (bf16, w8a16) tuned into the table the same way",
+    Job("per-row-smol", "issue 25's verify cost, issue 22 item 6: the per-row form (a verify's few rows as the GEMV "
+                        "form row by row) in the tune; SmolLM2 step censuses with this GPU's table as it was, its "
+                        "shapes tuned and written into this GPU's table, the censuses again, then the per-row kernel "
+                        "tests compiled",
         commands=("mkdir -p $R/before && cp baton/ops/linear/tuned/*.json $R/before/",
                   *(census(alg).replace("census_smollm2_", "census_before_") for alg in ("none", "NEXTN", "DSPARK")),
                   "set -o pipefail; python3 benchmarks/bench_decode_gemm.py --tune --per-row --write-table --dtypes "
@@ -163,15 +163,19 @@ JOBS: list[Job] = [
                   "mkdir -p $R/tables && cp baton/ops/linear/tuned/*.json $R/tables/",
                   *(census(alg).replace("census_smollm2_", "census_after_") for alg in ("none", "NEXTN", "DSPARK")),
                   f"set -o pipefail; {PYTEST} -n 12 tests/ops/test_linear_per_row.py --junitxml=$R/junit_per_row.xml "
-                  "2>&1 | tee $R/tests_per_row.log",
+                  "2>&1 | tee $R/tests_per_row.log"),
+        gpus=1, limit_s=380, outputs=("decode_gemm_smol.json", "census_*.jsonl", "tables", "before", "junit_*.xml")),
+    Job("per-row-ling", "issue 22 items 2 and 6: the Ling dense shapes (bf16, w8a16) tuned with per-row candidates and "
+                        "written into this GPU's tables; the tables as they were and after come back",
+        commands=("mkdir -p $R/before && cp baton/ops/linear/tuned/*.json $R/before/ && for f in "
+                  "baton/ops/fp8_linear/tuned/*.json; do cp $f $R/before/fp8-$(basename $f); done",
                   "set -o pipefail; python3 benchmarks/bench_decode_gemm.py --tune --per-row --write-table --dtypes "
                   "bf16 fp8 --shapes kda_in_proj o_proj dense_down shared_gate_up eh_proj --m 1 6 17 --impls baton "
                   "cublas --bandwidth measure --budget-s 90 --workers 14 --json $R/decode_gemm_ling.json 2>&1 "
                   "| tee $R/bench_ling.log",
-                  "mkdir -p $R/tables_ling && cp baton/ops/linear/tuned/*.json $R/tables_ling/ && for f in "
-                  "baton/ops/fp8_linear/tuned/*.json; do cp $f $R/tables_ling/fp8-$(basename $f); done"),
-        gpus=1, limit_s=560, outputs=("decode_gemm_smol.json", "decode_gemm_ling.json", "census_*.jsonl", "tables",
-                                      "tables_ling", "before", "junit_*.xml")),
+                  "mkdir -p $R/tables && cp baton/ops/linear/tuned/*.json $R/tables/ && for f in "
+                  "baton/ops/fp8_linear/tuned/*.json; do cp $f $R/tables/fp8-$(basename $f); done"),
+        gpus=1, limit_s=240, outputs=("decode_gemm_ling.json", "tables", "before")),
     Job("tma-gemm", "issue 22, item 2: decode-shape projections with the weight tiles through tensor descriptors "
                     "(LinearConfig.tma): the tune's best per-thread-load config against its best TMA one at the "
                     "Ling dense shapes, bf16, w8a16 and w8a8, M = 1..17, on this GPU (floor at its measured copy "
