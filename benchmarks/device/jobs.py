@@ -390,7 +390,7 @@ JOBS: list[Job] = [
                   "paint.' --max-new-tokens 128 --speculative-algorithm $a; done > $R/train/story.log 2>&1"),
         gpus=1, limit_s=1500, needs=("gguf", "gsm8k"), background=True,
         env={"GSM8K": "$TMP/gsm8k", "GPUS": "cuda:0", "FROM_SHIPPED": "1", "SHIP": "1", "NUM_PROMPTS": "600",
-             "EPOCHS": "4", "DATA_BUDGET": "260", "TRAIN_BUDGET": "400", "MAX_NEW": "320",
+             "EPOCHS": "4", "DATA_BUDGET": "200", "TRAIN_BUDGET": "240", "MAX_NEW": "320",
              "REPORT_QUESTIONS": "16"},
         outputs=("train/nextn", "train/dspark", "train/drafts_gsm8k_*", "train/domains_*", "train/story.log",
                  "train/data/*.summary.json", "train/*.log")),
