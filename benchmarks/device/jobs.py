@@ -374,14 +374,15 @@ JOBS: list[Job] = [
         outputs=("train/nextn", "train/dspark", "train/drafts_gsm8k_*", "train/data/*.summary.json", "train/*.log")),
     Job("finetune-drafts", "issue 25 on one GPU: the shipped drafts over the held-out domains (before), then "
                            "baton/train/recipe_smollm2.sh FROM_SHIPPED=1 SHIP=1 on GSM8K + the general set's train "
-                           "split, then the domains again (after) for DSpark and NEXTN, and the story prompt (BEFORE=0 in the "
-                           "runner's environment skips the 'before' runs when the device budget is short)",
+                           "split, then the domains again (after) for DSpark and NEXTN, and the story prompt "
+                           "(BEFORE=0 in the runner's environment skips the 'before' runs: a short device budget)",
         commands=("mkdir -p $R/train",
                   "[ \"${BEFORE:-1}\" = 0 ] || OUT=$R/train python3 benchmarks/bench_domains.py --per-domain 3 "
                   "--max-new-tokens 128 --gsm8k $TMP/gsm8k/test.jsonl --name domains_shipped_dspark "
                   "--plot $R/train/domains_shipped.png",
-                  "[ \"${BEFORE:-1}\" = 0 ] || OUT=$R/train python3 benchmarks/bench_domains.py --speculative-algorithm NEXTN "
-                  "--speculative-num-steps 3 --speculative-num-draft-tokens 4 --per-domain 3 --max-new-tokens 128 "
+                  "[ \"${BEFORE:-1}\" = 0 ] || OUT=$R/train python3 benchmarks/bench_domains.py "
+                  "--speculative-algorithm NEXTN --speculative-num-steps 3 --speculative-num-draft-tokens 4 "
+                  "--per-domain 3 --max-new-tokens 128 "
                   "--gsm8k $TMP/gsm8k/test.jsonl --name domains_shipped_nextn",
                   "bash baton/train/recipe_smollm2.sh $R/train",
                   "OUT=$R/train python3 benchmarks/bench_domains.py --speculative-algorithm NEXTN "

@@ -107,6 +107,25 @@ def test_kernels_match_reference(lib, fmt):
     assert torch.equal(out, w)
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_every_row_count_gives_the_decode_bits(lib, fmt):
+    """Speculative verify equals plain decode token for token only if every row of an M-row matmul is the M = 1
+    result of that row bit for bit: every M of 1..17 (the register tiles of each size, and the buffered tiles past
+    them), every row, with the residual (Q4_1), on each code path."""
+    n, k = 37, 160  # a padded last group; 5 blocks
+    raw, _ = _blocks(fmt, n, k, seed=7)
+    packed = naive.pack(fmt, raw)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(17, k, generator=gen)
+    res = torch.randn(17, n, generator=gen) if fmt == "q4_1" else None
+    alone = torch.cat([_linear(lib, fmt, x[r : r + 1].contiguous(), packed, n,
+                               None if res is None else res[r : r + 1].contiguous()) for r in range(17)])
+    for rows in range(1, 18):
+        y = _linear(lib, fmt, x[:rows].contiguous(), packed, n, None if res is None else res[:rows].contiguous())
+        for r in range(rows):
+            assert torch.equal(y[r], alone[r]), (rows, r)
+
+
 def test_q8_0_rows_and_argmax(lib):
     raw, w = _blocks("q8_0", 37, 64)
     packed = naive.pack("q8_0", raw)

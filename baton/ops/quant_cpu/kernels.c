@@ -55,7 +55,9 @@
 #endif
 
 #define BQ_INLINE static inline __attribute__((always_inline))
+#define BQ_UNROLL _Pragma("GCC unroll 8") /* the loops over the rows of a register tile: all in registers */
 #define MC 4 /* rows of x per register tile */
+#define MT 6 /* AVX-512: up to this many rows of x take one direct tile (4 x 6 accumulators); out arrays [NR][MT] */
 #define NR 4 /* rows of W per group (the layout) */
 #define Q41_BYTES 80  /* bytes per block of a group: 16 of scales, 64 of codes */
 #define Q80_BYTES 136 /* 8 of scales, 128 of codes */
@@ -63,7 +65,7 @@
 #define PREFETCH 4096 /* bytes ahead in the weight stream (measured: 512 to 8192, 4096 best here) */
 #endif
 
-int bq_version(void) { return 3; }
+int bq_version(void) { return 4; }
 int bq_isa(void) { return BQ_ISA; }
 
 /* ---- the thread pool ---- */
@@ -327,11 +329,11 @@ static const float* q41_x(const float* x, int64_t ldx, int M, int K, float* buf)
 
 /* Two ways to multiply a group of 4 rows of W by up to MC rows of x, with the same arithmetic (the same fp32
  * weights, the same FMAs in the same order, so the same bits):
- *   direct (AVX-512, M <= MC: decode): each block is dequantised in registers and used at once;
+ *   direct (AVX-512, M <= MT: decode, short verifies): each block is dequantised in registers and used at once;
  *   buffered (more rows, and every M on the other ISAs): the group is dequantised once into wb [4][K], which the
  *   tiles of MC rows of x then read (L1-resident), so dequantisation is paid once per group, not per MC rows. */
 
-BQ_INLINE void store_out(const float out[NR][MC], int mc, int64_t g, int N, float* y, int64_t ldy, const float* res,
+BQ_INLINE void store_out(const float out[NR][MT], int mc, int64_t g, int N, float* y, int64_t ldy, const float* res,
                          int64_t ldr) {
     for (int i = 0; i < NR; i++) {
         const int64_t n = g * NR + i;
@@ -358,21 +360,25 @@ BQ_INLINE void store_out(const float out[NR][MC], int mc, int64_t g, int N, floa
     const __m512 wh = _mm512_mul_ps(                                                                              \
         _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)((t) + 32 * (i) + 16)))), dv_)
 
-/* direct tiles: y[r][n] (+)= sum_k x[r][k] w[n][k] for rows r < mc of x and the 4 rows of group g */
+/* direct tiles: y[r][n] (+)= sum_k x[r][k] w[n][k] for rows r < mc (<= MT) of x and the 4 rows of group g */
 BQ_INLINE void q41_tile(const float* x, int64_t ldx, int mc, int K, const uint8_t* w, int64_t g, int N, float* y,
                         int64_t ldy, const float* res, int64_t ldr, float* sc) {
     const int B = K / 32;
     const uint8_t* t = w + (size_t)g * B * Q41_BYTES + (size_t)B * 16; /* the codes; the scales before them */
-    float out[NR][MC];
+    float out[NR][MT];
     Q41_SETUP;
     scales_to_fp32(t - (size_t)B * 16, 16, 8, B, sc); /* sc[b * 8 + i] = d_i, sc[b * 8 + 4 + i] = m_i */
-    __m512 acc[NR][MC];
+    __m512 acc[NR][MT];
+    BQ_UNROLL
     for (int i = 0; i < NR; i++)
+        BQ_UNROLL
         for (int r = 0; r < mc; r++) acc[i][r] = _mm512_setzero_ps();
     for (int b = 0; b < B; b++, t += 64) {
         _mm_prefetch((const char*)t + PREFETCH, _MM_HINT_T0);
+        BQ_UNROLL
         for (int i = 0; i < NR; i++) {
             Q41_DEQ(t, b, i, wl, wh);
+            BQ_UNROLL
             for (int r = 0; r < mc; r++) {
                 const float* xr = x + r * ldx + b * 32;
                 acc[i][r] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xr), acc[i][r]);
@@ -380,7 +386,9 @@ BQ_INLINE void q41_tile(const float* x, int64_t ldx, int mc, int K, const uint8_
             }
         }
     }
+    BQ_UNROLL
     for (int i = 0; i < NR; i++)
+        BQ_UNROLL
         for (int r = 0; r < mc; r++) out[i][r] = hsum(acc[i][r]);
     store_out(out, mc, g, N, y, ldy, res, ldr);
 }
@@ -389,16 +397,20 @@ BQ_INLINE void q80_tile(const float* x, int64_t ldx, int mc, int K, const uint8_
                         int64_t ldy, float* sc) {
     const int B = K / 32;
     const uint8_t* t = w + (size_t)g * B * Q80_BYTES + (size_t)B * 8;
-    float out[NR][MC];
+    float out[NR][MT];
     scales_to_fp32(t - (size_t)B * 8, 8, 4, B, sc); /* sc[b * 4 + i] = d_i */
-    __m512 acc[NR][MC];
+    __m512 acc[NR][MT];
+    BQ_UNROLL
     for (int i = 0; i < NR; i++)
+        BQ_UNROLL
         for (int r = 0; r < mc; r++) acc[i][r] = _mm512_setzero_ps();
     for (int b = 0; b < B; b++, t += 128) {
         _mm_prefetch((const char*)t + PREFETCH, _MM_HINT_T0);
         _mm_prefetch((const char*)t + PREFETCH + 64, _MM_HINT_T0);
+        BQ_UNROLL
         for (int i = 0; i < NR; i++) {
             Q80_DEQ(t, b, i, wl, wh);
+            BQ_UNROLL
             for (int r = 0; r < mc; r++) {
                 const float* xr = x + r * ldx + b * 32;
                 acc[i][r] = _mm512_fmadd_ps(wl, _mm512_loadu_ps(xr), acc[i][r]);
@@ -406,7 +418,9 @@ BQ_INLINE void q80_tile(const float* x, int64_t ldx, int mc, int K, const uint8_
             }
         }
     }
+    BQ_UNROLL
     for (int i = 0; i < NR; i++)
+        BQ_UNROLL
         for (int r = 0; r < mc; r++) out[i][r] = hsum(acc[i][r]);
     store_out(out, mc, g, N, y, ldy, NULL, 0);
 }
@@ -461,7 +475,7 @@ static void q80_group_to_buf(const uint8_t* w, int64_t g, int K, float* sc, floa
 BQ_INLINE void buf_tile(const float* x, int64_t ldx, int mc, int K, const float* wb, int64_t g, int N, float* y,
                         int64_t ldy, const float* res, int64_t ldr) {
     const int B = K / 32;
-    float out[NR][MC];
+    float out[NR][MT];
 #if BQ_ISA == 3
     __m512 acc[NR][MC];
     for (int i = 0; i < NR; i++)
@@ -545,12 +559,14 @@ static void q41_groups(const float* x, int64_t ldx, int M, int K, const uint8_t*
                        float* y, int64_t ldy, const float* res, int64_t ldr, float* sc, float* wb) {
     for (int64_t g = g0; g < g1; g++) {
 #if BQ_ISA == 3
-        if (M <= MC) {
-            switch (M) {
+        if (M <= MT) {
+            switch (M) { /* constant tile shapes: the compiler unrolls each into registers */
                 case 1: q41_tile(x, ldx, 1, K, w, g, N, y, ldy, res, ldr, sc); break;
                 case 2: q41_tile(x, ldx, 2, K, w, g, N, y, ldy, res, ldr, sc); break;
                 case 3: q41_tile(x, ldx, 3, K, w, g, N, y, ldy, res, ldr, sc); break;
-                default: q41_tile(x, ldx, 4, K, w, g, N, y, ldy, res, ldr, sc); break;
+                case 4: q41_tile(x, ldx, 4, K, w, g, N, y, ldy, res, ldr, sc); break;
+                case 5: q41_tile(x, ldx, 5, K, w, g, N, y, ldy, res, ldr, sc); break;
+                default: q41_tile(x, ldx, 6, K, w, g, N, y, ldy, res, ldr, sc); break;
             }
             continue;
         }
@@ -564,12 +580,14 @@ static void q80_groups(const float* x, int64_t ldx, int M, int K, const uint8_t*
                        float* y, int64_t ldy, float* sc, float* wb) {
     for (int64_t g = g0; g < g1; g++) {
 #if BQ_ISA == 3
-        if (M <= MC) {
+        if (M <= MT) {
             switch (M) {
                 case 1: q80_tile(x, ldx, 1, K, w, g, N, y, ldy, sc); break;
                 case 2: q80_tile(x, ldx, 2, K, w, g, N, y, ldy, sc); break;
                 case 3: q80_tile(x, ldx, 3, K, w, g, N, y, ldy, sc); break;
-                default: q80_tile(x, ldx, 4, K, w, g, N, y, ldy, sc); break;
+                case 4: q80_tile(x, ldx, 4, K, w, g, N, y, ldy, sc); break;
+                case 5: q80_tile(x, ldx, 5, K, w, g, N, y, ldy, sc); break;
+                default: q80_tile(x, ldx, 6, K, w, g, N, y, ldy, sc); break;
             }
             continue;
         }
