@@ -54,12 +54,7 @@ def load(source: Path | None):
         if lib is None:
             raise SystemExit(f"the kernels do not build here: {native.error()}")
         return lib
-    saved = native.SOURCE
-    native.SOURCE = Path(source)
-    try:
-        return native._build("native")  # cached under a key of the source, beside the tree's build
-    finally:
-        native.SOURCE = saved
+    return native._build("native", Path(source))  # cached under a key of the source, beside the tree's build
 
 
 def caller(lib, fmt: str, x: torch.Tensor, packed: torch.Tensor, n: int, y: torch.Tensor):

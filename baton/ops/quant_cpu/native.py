@@ -84,11 +84,13 @@ def _version(cc: str) -> str:
         return ""
 
 
-def _build(variant: str) -> ctypes.CDLL:
+def _build(variant: str, src: Path = SOURCE) -> ctypes.CDLL:
+    """kernels.c (or another copy of it at ``src``: benchmarks/bench_quant_cpu_rows.py's baseline) built as
+    ``variant``, cached under a key of the source, the compiler, its flags and the CPU."""
     compilers = _compilers()
     if not compilers:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    source = SOURCE.read_bytes()
+    source = src.read_bytes()
     cache = env.cache_dir() / "kernels"
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -109,7 +111,7 @@ def _build(variant: str) -> ctypes.CDLL:
                 fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
                 os.close(fd)
                 try:
-                    proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm", "-lpthread"], capture_output=True,
+                    proc = subprocess.run([cc, *flags, str(src), "-o", tmp, "-lm", "-lpthread"], capture_output=True,
                                           text=True, timeout=300)
                     if proc.returncode != 0:
                         errors.append(f"{cc} {' '.join(extra)}: {proc.stderr.strip().splitlines()[-1:]}")
