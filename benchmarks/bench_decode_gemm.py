@@ -777,15 +777,18 @@ def write_w8a8_table(winners: dict, device_name: str) -> str:
 
 
 def write_tables(winners: dict, device_name: str) -> list[str]:
-    """Merge the winners into the bf16 and fp8 tables: every entry of a tuned (n_out, k, swiglu) is replaced."""
+    """Merge the winners into the bf16 and fp8 tables: every entry of a tuned (n_out, k, swiglu) is replaced, except
+    the fp8 table's w8a8 (``"act": "fp8"``) entries, which only ``write_w8a8_table`` replaces; the table's other
+    keys (``w8a8_written_by``, ...) stay."""
     from baton.ops.linear import triton as lt
 
     written = []
     for fp8 in (False, True):
         path = lt.table_path(device_name, lt.TUNED_FP8_DIR if fp8 else lt.TUNED_DIR)
-        old = json.loads(path.read_text())["entries"] if path.is_file() else []
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        old = data.get("entries", [])
         mine = {(k[1], k[2], k[3]) for k in winners if k[0] == fp8}
-        entries = [e for e in old if (e["n_out"], e["k"], e["swiglu"]) not in mine]
+        entries = [e for e in old if e.get("act") == "fp8" or (e["n_out"], e["k"], e["swiglu"]) not in mine]
         for (is_fp8, n_out, k, swiglu, kind), row in sorted(winners.items(), key=lambda kv: str(kv[0])):
             if is_fp8 != fp8:
                 continue
@@ -797,9 +800,9 @@ def write_tables(winners: dict, device_name: str) -> list[str]:
                             "us": row["us"], "tbps": row["tbps"], "m": row["M"], "shape": row["shape"]})
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"device": device_name, "torch": torch.__version__, "triton": _triton_version(),
-                                   "written_by": "benchmarks/bench_decode_gemm.py --tune --write-table",
-                                   "entries": entries}, indent=1))
+        data.update(device=device_name, torch=torch.__version__, triton=_triton_version(),
+                    written_by="benchmarks/bench_decode_gemm.py --tune --write-table", entries=entries)
+        tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, path)
         written.append(str(path))
     lt._device_table.cache_clear()
