@@ -58,7 +58,7 @@ def with_shipped_drafts(spec: SpecConfig, embedded: bool, requested: str | None,
     if requested is not None and requested.lower() in DISABLE:
         return dataclasses.replace(spec, algorithm=None)
     if not embedded or spec.draft_model_path is not None:
-        return spec
+        return with_draft_sts(spec)
     defaults = shipped_defaults()
     if spec.algorithm is None:
         if spec.simulate_accept_len is not None:
@@ -85,11 +85,22 @@ def with_shipped_drafts(spec: SpecConfig, embedded: bool, requested: str | None,
     path = shipped_draft(spec.algorithm)
     if path is None:
         return spec
-    spec = dataclasses.replace(spec, draft_model_path=path)
-    sts = os.path.join(path, "sts.json")
-    if spec.algorithm == "DSPARK" and spec.dspark_confidence_sts_path is None and os.path.isfile(sts):
-        spec = dataclasses.replace(spec, dspark_confidence_sts_path=sts)
+    spec = with_draft_sts(dataclasses.replace(spec, draft_model_path=path))
     return SpecConfig(**dataclasses.asdict(spec))  # re-validate (NEXTN steps / window)
 
 
-__all__ = ["DISABLE", "is_shipped", "shipped_defaults", "shipped_draft", "shipped_root", "with_shipped_drafts"]
+def with_draft_sts(spec: SpecConfig) -> SpecConfig:
+    """A DSpark draft directory's own confidence calibration: the ``sts.json`` that ``baton train calibrate`` (and
+    the recipe) writes beside the checkpoint, when ``--speculative-dspark-confidence-sts-path`` names none. The
+    shipped drafter and a freshly trained one are read alike."""
+    if spec.algorithm != "DSPARK" or not spec.draft_model_path or spec.dspark_confidence_sts_path is not None:
+        return spec
+    sts = os.path.join(spec.draft_model_path, "sts.json")
+    if not os.path.isfile(sts):
+        return spec
+    log.info("DSpark confidence calibration: %s (--speculative-dspark-confidence-sts-path overrides)", sts)
+    return dataclasses.replace(spec, dspark_confidence_sts_path=sts)
+
+
+__all__ = ["DISABLE", "is_shipped", "shipped_defaults", "shipped_draft", "shipped_root", "with_draft_sts",
+           "with_shipped_drafts"]

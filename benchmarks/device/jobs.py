@@ -218,6 +218,15 @@ JOBS: list[Job] = [
         commands=("python3 -m benchmarks.bench_domains --per-domain 3 --max-new-tokens 128 "
                   "--gsm8k $TMP/gsm8k/test.jsonl --name domains_h200 --plot $R/domains_h200.png",),
         gpus=1, limit_s=420, needs=("gguf", "gsm8k"), outputs=("domains_h200.json", "domains_h200.png")),
+    Job("domains-quick", "issue 25 on a short device budget: the default (shipped) DSpark drafter over the domains "
+                         "(3 prompts of 128 tokens each, fixed and adaptive against plain), then the story prompt "
+                         "with none / DSPARK / NEXTN",
+        commands=("python3 -m benchmarks.bench_domains --per-domain 3 --max-new-tokens 128 "
+                  "--gsm8k $TMP/gsm8k/test.jsonl --name domains_dspark --plot $R/domains_dspark.png",
+                  "for a in none DSPARK NEXTN; do baton generate 'Write a short story about a robot who learns to "
+                  "paint.' --max-new-tokens 128 --speculative-algorithm $a; done > $R/story.log 2>&1"),
+        gpus=1, limit_s=150, needs=("gguf", "gsm8k"),
+        outputs=("domains_dspark.json", "domains_dspark.png", "story.log")),
     Job("adaptive-smollm2", "issue 25: adaptive depth with depth 0 as the plain decode step (deferred drafter "
                             "extends): the domain table for DSpark (the default) and NEXTN, fixed and adaptive "
                             "against plain, then the GPU test of depth changes (captured == uncaptured)",

@@ -62,6 +62,28 @@ def test_explicit_paths_and_other_models_are_left_alone(shipped, tmp_path):
     assert not _args("--model-path", str(tmp_path)).spec.enabled
 
 
+def test_a_dspark_draft_directory_brings_its_own_calibration(shipped, tmp_path):
+    """A drafter trained by the recipe (or `baton train dspark` + `baton train calibrate`) has its sts.json beside
+    the checkpoint: naming the directory uses it, as the shipped drafter's is, for the embedded model and any
+    other; an explicit --speculative-dspark-confidence-sts-path wins; a directory without one has none."""
+    draft = tmp_path / "my_dspark"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    (draft / "sts.json").write_text(json.dumps({"temperatures": [1.0] * 8}))
+    for model in ((), ("--model-path", str(tmp_path))):
+        spec = _args(*model, "--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(draft)).spec
+        assert spec.dspark_confidence_sts_path == str(draft / "sts.json")
+    other = tmp_path / "other.json"
+    spec = _args("--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(draft),
+                 "--speculative-dspark-confidence-sts-path", str(other)).spec
+    assert spec.dspark_confidence_sts_path == str(other)
+    (draft / "sts.json").unlink()
+    spec = _args("--speculative-algorithm", "DSPARK", "--speculative-draft-model-path", str(draft)).spec
+    assert spec.dspark_confidence_sts_path is None
+    nextn = _args("--speculative-algorithm", "NEXTN", "--speculative-draft-model-path", str(draft)).spec
+    assert nextn.dspark_confidence_sts_path is None
+
+
 def test_no_shipped_drafts_means_plain(tmp_path, monkeypatch):
     monkeypatch.setenv("BATON_SHIPPED_DRAFTS", str(tmp_path / "missing"))
     assert not _args().spec.enabled
