@@ -344,7 +344,7 @@ def cmd_data(ns: argparse.Namespace) -> int:
                        samples_per_temperature=ns.samples_per_temperature, max_new_tokens=ns.max_new_tokens,
                        prompt_formats=tuple(ns.prompt_formats.split(",")), num_shots=ns.num_shots,
                        holdout_frac=ns.holdout_frac, holdout_output=ns.holdout_output, seed=ns.data_seed,
-                       time_budget=ns.time_budget)
+                       holdout_seed=ns.holdout_seed, time_budget=ns.time_budget)
     if ns.backend == "hf" and ns.num_workers > 1:
         print("baton train data: --num-workers is for --backend engine (hf batches on one device)", file=sys.stderr)
         return 2
@@ -513,7 +513,10 @@ def _add_data(tsub: Any) -> None:
     g.add_argument("--samples-per-temperature", type=int, default=1, help="responses per positive temperature")
     g.add_argument("--max-new-tokens", type=int, default=512)
     g.add_argument("--holdout-frac", type=float, default=0.02, help="fraction of prompts held out")
-    g.add_argument("--data-seed", type=int, default=0, help="split and sampling seeds")
+    g.add_argument("--data-seed", type=int, default=0, help="sampling seed (and the split's, unless --holdout-seed)")
+    g.add_argument("--holdout-seed", type=int, default=None,
+                   help="the train / held-out split's seed (default: --data-seed); keep it fixed across runs that "
+                        "differ only in --data-seed, so a later run's held-out prompts were never trained on")
     g.add_argument("--num-workers", type=int, default=1,
                    help="processes generating in parallel, each with its own engine on --device (a small target "
                         "leaves the GPU mostly idle at batch 1); the output is the same as with one")

@@ -189,6 +189,7 @@ class DataOptions:
     holdout_frac: float = 0.02
     holdout_output: str | None = None
     seed: int = 0
+    holdout_seed: int | None = None  # the split's seed (None: ``seed``)
     time_budget: float | None = None  # seconds: no new request (engine) or batch (hf) once it would overrun
 
 
@@ -221,7 +222,8 @@ def plan_jobs(opts: DataOptions, tokenizer: Any) -> Jobs:
         shots = few_shot_prefix(gsm_rows, opts.num_shots) if gsm_rows else ""
         skip = {f"gsm8k/{i}" for i in range(min(opts.num_shots, len(gsm_rows)))}  # the shots themselves
     settings = parse_settings(opts.temperatures, opts.top_p, opts.samples_per_temperature)
-    return Jobs(items, formats, settings, split_prompts(len(items), opts.holdout_frac, opts.seed), shots, skip)
+    split_seed = opts.seed if opts.holdout_seed is None else opts.holdout_seed
+    return Jobs(items, formats, settings, split_prompts(len(items), opts.holdout_frac, split_seed), shots, skip)
 
 
 def _prepare(engine: Any, jobs: Jobs, item: PromptItem, fmt: str,

@@ -11,6 +11,8 @@
 #   DSPARK_INIT=target ...                                        # DSpark layers start as the target's last layer
 #   FROM_SHIPPED=1 ...                                            # both drafts start from the shipped ones (train further)
 #   SAMPLES=2 ...                                                 # responses per prompt at each positive temperature
+#   DATA_SEED=1 SKIP_PROMPTS=600 ...                              # a new round of data: fresh samples, later GSM8K
+#                                                                 # prompts (the split keeps --holdout-seed 0)
 #   SHIP=1 ...                                                    # copy the drafts into baton/drafts (the default)
 #   DATA_BUDGET=270 TRAIN_BUDGET=300 ...                          # seconds: cut generation / each training run to fit
 #   REUSE_DATA=1 ...                                              # keep an existing OUT/data/gsm8k.jsonl (no step 1)
@@ -73,8 +75,9 @@ stamp() { echo "[recipe] $1 done at $((SECONDS - t0)) s"; }
 #    set (baton/train/prompts.py: writing, explanation, code, summarisation, lists, translation, multi-turn chat;
 #    EXTRA=none leaves it out), whose held-out split benchmarks/bench_domains.py measures on
 if [ -s "$DATA" ] && [ "${REUSE_DATA:-0}" = 1 ]; then echo "[recipe] reusing $DATA"; else
-on "$V0" baton train data --data-path "$GSM8K" --num-prompts "$NUM_PROMPTS" --prompt-formats chat,fewshot \
-    "${EXTRA_PROMPTS[@]}" --temperatures 0,0.7 --samples-per-temperature "$SAMPLES" --top-p 0.95 --max-new-tokens "$MAX_NEW" --holdout-frac 0.02 --data-seed 0 \
+on "$V0" baton train data --data-path "$GSM8K" --skip-prompts "${SKIP_PROMPTS:-0}" --num-prompts "$NUM_PROMPTS" \
+    --prompt-formats chat,fewshot \
+    "${EXTRA_PROMPTS[@]}" --temperatures 0,0.7 --samples-per-temperature "$SAMPLES" --top-p 0.95 --max-new-tokens "$MAX_NEW" --holdout-frac 0.02 --data-seed "${DATA_SEED:-0}" --holdout-seed 0 \
     --backend hf --gen-batch-size "$GEN_BATCH" --device "$D" --output "$DATA" "${DATA_BUDGET[@]}"
 fi
 stamp data

@@ -401,8 +401,12 @@ JOBS: list[Job] = [
                   "for a in none DSPARK NEXTN; do baton generate 'Write a short story about a robot who learns to "
                   "paint.' --max-new-tokens 128 --speculative-algorithm $a; done > $R/train/story.log 2>&1"),
         gpus=1, limit_s=1500, needs=("gguf", "gsm8k"), background=True,
+        # round 2 (the drafts shipped at 9670557 came from round 1: NUM_PROMPTS 600, SAMPLES 1, DATA_SEED 0, 747 s):
+        # the next 600 GSM8K prompts, two samples per prompt at T 0.7 and a new sampling seed, so the data is new
+        # but for the general set's greedy answers; the split's seed stays 0 (--holdout-seed)
         env={"GSM8K": "$TMP/gsm8k", "GPUS": "cuda:0", "FROM_SHIPPED": "1", "SHIP": "1", "NUM_PROMPTS": "600",
-             "EPOCHS": "3", "DATA_BUDGET": "200", "TRAIN_BUDGET": "240", "MAX_NEW": "320",
+             "SKIP_PROMPTS": "600", "SAMPLES": "2", "DATA_SEED": "1",
+             "EPOCHS": "3", "DATA_BUDGET": "260", "TRAIN_BUDGET": "300", "MAX_NEW": "320",
              "REPORT_QUESTIONS": "16"},
         outputs=("train/nextn", "train/dspark", "train/drafts_gsm8k_*", "train/domains_*", "train/story.log",
                  "train/data/*.summary.json", "train/*.log")),

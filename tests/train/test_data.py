@@ -103,3 +103,22 @@ def test_skip_prompts_starts_later_in_gsm8k(tmp_path):
                                  num_prompts=3, prompt_formats=("plain",)), tokenizer=None)
     assert [it.prompt_id for it in jobs.items] == ["gsm8k/6", "gsm8k/7", "gsm8k/8"]
     assert [it.question for it in jobs.items] == ["q6", "q7", "q8"]
+
+
+def test_holdout_seed_keeps_the_split_across_data_seeds(tmp_path):
+    """--holdout-seed fixes the train / held-out split whatever --data-seed is (a second round of data with fresh
+    samples holds out the same prompts, so its held-out prompts were not trained on in the first); without it the
+    data seed sets both."""
+    from baton.train.data import DataOptions, plan_jobs
+
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"a{i}"}) + "\n" for i in range(200)))
+
+    def split(**kw):
+        opts = DataOptions(output=str(tmp_path / "o.jsonl"), data_path=str(path), prompt_formats=("plain",),
+                           holdout_frac=0.1, **kw)
+        return plan_jobs(opts, tokenizer=None).holdout
+
+    assert split(seed=1, holdout_seed=0) == split(seed=0) == split(seed=7, holdout_seed=0)
+    assert split(seed=1) != split(seed=0)
+    assert len(split(seed=3, holdout_seed=0)) == 20
