@@ -78,6 +78,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="force the mean accept length (for benchmarks on dummy weights; output is marked simulated)")
     s.add_argument("--speculative-dspark-sps-table-path", default=None, help="DSpark step-time table (JSON)")
     s.add_argument("--speculative-dspark-confidence-sts-path", default=None, help="DSpark STS temperatures (JSON)")
+    s.add_argument("--speculative-token-map", default=None, metavar="PATH",
+                   help="the drafts' hot vocabulary (SGLang's flag, FR-Spec): a .pt (torch.save of the token ids) "
+                        "or .json list of ids; NEXTN / DFlash drafts are the argmax over these rows of the lm_head "
+                        "only (a fraction of its bytes), the verify still over all. Output is unchanged; only "
+                        "which drafts are proposed can differ. DSpark's Markov chain keeps the whole vocabulary")
     s.add_argument("--speculative-adaptive", default="on", choices=["on", "off"],
                    help="on: each request speculates only as deep as pays, from its acceptance so far and the step "
                         "time of each depth (measured at start-up), down to plain decoding, probing again from time "
@@ -118,6 +123,7 @@ def server_args_from(ns: argparse.Namespace) -> ServerArgs:
         num_draft_tokens=ns.speculative_num_draft_tokens, simulate_accept_len=ns.speculative_simulate_accept_len,
         dspark_sps_table_path=ns.speculative_dspark_sps_table_path,
         dspark_confidence_sts_path=ns.speculative_dspark_confidence_sts_path,
+        token_map=ns.speculative_token_map,
         adaptive=ns.speculative_adaptive == "on",
     )
     fields = {k: v for k, v in vars(ns).items() if k in ServerArgs.__dataclass_fields__ and k != "spec"}

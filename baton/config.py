@@ -250,6 +250,7 @@ class SpecConfig:
     simulate_accept_len: float | None = None
     dspark_sps_table_path: str | None = None
     dspark_confidence_sts_path: str | None = None
+    token_map: str | None = None  # --speculative-token-map: the drafts' hot vocabulary (speculative/token_map.py)
     adaptive: bool = True  # --speculative-adaptive: the draft depth follows the acceptance (speculative/adaptive.py)
 
     def __post_init__(self) -> None:

@@ -75,6 +75,13 @@ class Engine:
             self.drafter = build_drafter(self, spec)
             if args.enable_fp8_draft_lm_head:
                 self.model.use_fp8_draft_lm_head()
+            if spec.token_map:
+                from baton.speculative.token_map import load_token_map
+
+                self.model.use_draft_token_map(load_token_map(spec.token_map))
+                if getattr(self.drafter, "use_heads", False):
+                    log.info("--speculative-token-map: DSpark's Markov chain drafts over the whole vocabulary; the "
+                             "map applies to NEXTN and DFlash drafts")
         self.spec_stats = SpecStats()
         self.eos_token_ids = set(self.tokenizer.eos_token_ids) | _config_eos(self.model_config)
         self._sim_generator = torch.Generator().manual_seed(args.seed)

@@ -23,6 +23,7 @@ class CausalLM(nn.Module):
 
     lm_head_fp32_weight: torch.Tensor | None = None  # set by use_fp32_lm_head()
     draft_lm_head_fp8: tuple[torch.Tensor, torch.Tensor] | None = None  # set by use_fp8_draft_lm_head()
+    draft_hot: tuple[torch.Tensor, object] | None = None  # (hot ids, their lm_head rows): use_draft_token_map()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -72,8 +73,48 @@ class CausalLM(nn.Module):
         parts = [quantize_fp8_block(w[i : i + rows]) for i in range(0, w.shape[0], rows)]
         self.draft_lm_head_fp8 = (torch.cat([q for q, _ in parts]), torch.cat([sc for _, sc in parts]))
 
+    def use_draft_token_map(self, ids: torch.Tensor) -> None:
+        """``--speculative-token-map``: the drafts' argmax (``greedy_tokens(draft=True)``) runs over the lm_head rows
+        of these token ids only (sorted, so the lowest id still wins a tie), a copy made once here (in fp8 after
+        ``use_fp8_draft_lm_head``). The verify, sampling and ``compute_logits`` keep the whole vocabulary, so the
+        output is unchanged: only which drafts are proposed can differ."""
+        from baton.config import ConfigError
+
+        if dist.tp_size() > 1:
+            raise ConfigError("--speculative-token-map is not supported under tensor parallelism yet")
+        vocab = self.embed_tokens.vocab.valid
+        ids = torch.unique(torch.as_tensor(ids, dtype=torch.int64).reshape(-1))  # sorted
+        if ids.numel() == 0 or int(ids[0]) < 0 or int(ids[-1]) >= vocab:
+            raise ConfigError(f"--speculative-token-map: {ids.numel()} ids, range "
+                              f"{int(ids.min()) if ids.numel() else '-'}..{int(ids.max()) if ids.numel() else '-'}; "
+                              f"they must be token ids below the vocabulary size {vocab}")
+        self.draft_hot = (ids.to(self.model.norm.weight.device), self._hot_lm_head(ids))
+
+    def _hot_lm_head(self, ids: torch.Tensor) -> object:
+        w = self.lm_head_weight.detach()[ids.to(self.lm_head_weight.device)].contiguous()
+        if self.draft_lm_head_fp8 is None:
+            return w
+        from baton.ops.quant import quantize_fp8_block
+
+        return quantize_fp8_block(w)
+
+    def draft_hot_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [T, d] -> fp32 logits [T, len(hot ids)] over the token map's rows (``compute_local_logits``'s
+        arithmetic)."""
+        w = self.draft_hot[1]
+        if isinstance(w, tuple):  # fp8 (use_fp8_draft_lm_head)
+            from baton.ops.fp8_linear import fp8_linear
+
+            return fp8_linear(hidden, *w)
+        if w.dtype == torch.float32:
+            return hidden.float() @ w.t()
+        return (hidden @ w.t()).float()
+
     def draft_lm_head_bytes(self) -> int:
         """Bytes one drafts' lm_head pass reads (this rank's block)."""
+        if self.draft_hot is not None:
+            w = self.draft_hot[1]
+            return sum(t.nbytes for t in w) if isinstance(w, tuple) else getattr(w, "nbytes", 0)
         if self.draft_lm_head_fp8 is not None:
             return sum(t.nbytes for t in self.draft_lm_head_fp8)
         return self.lm_head_weight.nbytes
@@ -97,7 +138,10 @@ class CausalLM(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor, draft: bool = False) -> torch.Tensor:
         """hidden [T, d] -> argmax token ids [T] (int64), the lowest id among ties, the same on every rank;
-        ``draft``: over the drafters' logits (``use_fp8_draft_lm_head``)."""
+        ``draft``: over the drafters' logits (``use_fp8_draft_lm_head``; with ``use_draft_token_map`` the argmax
+        over the map's ids)."""
+        if draft and self.draft_hot is not None:
+            return self.draft_hot[0][argmax_rows(self.draft_hot_logits(hidden))]
         if dist.tp_size() == 1:
             return argmax_rows(self.compute_logits(hidden, draft))
         logits = self._local_logits(hidden, draft)

@@ -286,11 +286,29 @@ class LlamaForCausalLM(CausalLM):
         lib = native.lib() if self.lm_head_quantized is not None and hidden.device.type == "cpu" else None
         if lib is None or dist.tp_size() > 1:
             return super().greedy_tokens(hidden, draft)
-        logits = self.compute_logits(hidden, draft).contiguous()
+        hot = draft and self.draft_hot is not None
+        logits = (self.draft_hot_logits(hidden) if hot else self.compute_logits(hidden, draft)).contiguous()
         ids = torch.empty(logits.shape[0], dtype=torch.int64)  # (compute_logits synced the kernels' threads)
         with native.traced("quant_cpu::argmax"):
             lib.bq_argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], ids.data_ptr())
-        return ids
+        return self.draft_hot[0][ids] if hot else ids
+
+    def _hot_lm_head(self, ids: torch.Tensor) -> object:
+        """The map's rows of a GGUF-quantized lm_head, dequantised and quantised again as Q8_0 (exact for Q8_0 rows
+        whose largest code is +-127, a second rounding otherwise: the drafts' logits only)."""
+        qweight = self.lm_head_quantized
+        if qweight is None:
+            return super()._hot_lm_head(ids)
+        from gguf import quants
+        from gguf.constants import GGMLQuantizationType
+
+        rows = qweight.rows(ids).numpy()
+        raw = torch.from_numpy(quants.quantize(rows, GGMLQuantizationType.Q8_0))
+        return QuantizedWeight.from_gguf("q8_0", raw)
+
+    def draft_hot_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.draft_hot[1]
+        return w.matmul(hidden) if isinstance(w, QuantizedWeight) else super().draft_hot_logits(hidden)
 
     def compute_local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         qweight = self.lm_head_quantized
@@ -310,5 +328,5 @@ class LlamaForCausalLM(CausalLM):
 
     def draft_lm_head_bytes(self) -> int:
         qweight = self.lm_head_quantized
-        return super().draft_lm_head_bytes() if qweight is None else qweight.nbytes
+        return super().draft_lm_head_bytes() if qweight is None or self.draft_hot is not None else qweight.nbytes
 

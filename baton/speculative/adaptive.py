@@ -178,3 +178,29 @@ class ScheduledDepth:
 
     def observe_time(self, depth: int, step_ms: float) -> None:
         pass
+
+
+def replay(policy, accepted: Sequence[int], tokens: int, step_ms: dict[int, float]) -> tuple[int, float]:
+    """Decode a recorded request again under ``policy`` (benchmarks/bench_adaptive_policy.py; tests): the record is a
+    full-depth run's accepted count of each step (``accepted``) and its output length (``tokens``, the prefill's
+    first token included). At position n (tokens after the first) a step at depth d accepts min(a(n), d), where
+    a(n) is what the recorded step starting at n accepted, or, inside a recorded step's accepted run, the rest of
+    that run; past the record's steps, nothing. As in the engine, the policy picks each step's depth before it
+    sees the previous step's outcome (one step late). Returns (steps, milliseconds at ``step_ms``)."""
+    run: list[int] = []
+    for a in accepted:
+        run.extend(range(a, -1, -1))  # a(s + j) = a - j for j = 0..a; the next step starts at s + a + 1
+    total = tokens - 1
+    policy.begin_request()
+    steps, ms, n = 0, 0.0, 0
+    depth = policy.choose()
+    while n < total:
+        acc = min(run[n] if n < len(run) else 0, depth)
+        n += acc + 1
+        steps += 1
+        ms += step_ms[depth]
+        nxt = policy.choose() if n < total else None
+        policy.observe(depth, acc)
+        depth = nxt
+    return steps, ms
+

@@ -438,6 +438,23 @@ def _parse_vary(text: str) -> tuple[str, list[str]]:
     return name.strip().replace("-", "_"), [v.strip() for v in values.split(",") if v.strip()]
 
 
+def cmd_token_map(ns: argparse.Namespace) -> int:
+    from baton.speculative.token_map import build_token_map, save_token_map
+    from baton.train.common import read_jsonl
+
+    rows = [r for path in ns.train_data for r in read_jsonl(path)]
+    if not rows:
+        print(f"baton train token-map: no records in {', '.join(ns.train_data)}", file=sys.stderr)
+        return 2
+    vocab = ns.vocab_size or 1 + max(max([*r["prompt_ids"], *r["response_ids"]], default=0) for r in rows)
+    ids, coverage = build_token_map((r["response_ids"] for r in rows), ns.size, vocab)
+    save_token_map(ids, ns.output)
+    n = sum(len(r["response_ids"]) for r in rows)
+    print(f"{ns.output}: {len(ids)} token ids (vocabulary {vocab}) covering {100 * coverage:.2f}% of the {n} response "
+          f"tokens of {len(rows)} records; serve it with --speculative-token-map {ns.output}")
+    return 0
+
+
 def cmd_ablate(ns: argparse.Namespace) -> int:
     from baton.train.common import plot_curves
     from baton.train.runner import load_frozen_target
@@ -578,6 +595,19 @@ def _add_calibrate(tsub: Any) -> None:
     p.set_defaults(func=cmd_calibrate)
 
 
+def _add_token_map(tsub: Any) -> None:
+    from baton.speculative import token_map
+
+    p = tsub.add_parser("token-map", help="the drafts' hot vocabulary (--speculative-token-map) from target-made data",
+                        description=token_map.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--train-data", nargs="+", required=True, help="records of `baton train data` (JSONL)")
+    p.add_argument("--size", type=int, default=8192, help="token ids in the map")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="the target's vocabulary (default: one past the largest id in the records)")
+    p.add_argument("--output", required=True, help="the map: .pt (SGLang's format) or .json")
+    p.set_defaults(func=cmd_token_map)
+
+
 def _add_ablate(tsub: Any) -> None:
     p = tsub.add_parser("ablate", help="train a small grid of one option and compare accept lengths",
                         description="Train one draft per value of --vary NAME=v1,v2,... (any option of the "
@@ -607,6 +637,7 @@ def add_train_parser(sub: Any) -> None:
     _add_nextn(tsub)
     _add_dspark(tsub)
     _add_calibrate(tsub)
+    _add_token_map(tsub)
     _add_ablate(tsub)
 
 
