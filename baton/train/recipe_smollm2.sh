@@ -123,6 +123,9 @@ if [ "$prev" != "$OUT/dspark" ]; then rm -rf "$OUT/dspark" && cp -r "$prev" "$OU
 on "$V1" baton train calibrate --draft "$OUT/dspark" --holdout-data "$HOLD" --output "$OUT/dspark/sts.json" \
     --target-device "$D" --device "$D" --mode greedy
 stamp calibrate
+# 3c. the drafts' hot vocabulary (--speculative-token-map) from the same responses: not shipped by default
+baton train token-map --train-data "$DATA" --size "${TOKEN_MAP_SIZE:-8192}" --vocab-size 49152 \
+    --output "$OUT/token_map.pt"
 
 # 4. the report: accept length on GSM8K test (never trained on), greedy and T 0.7
 on "$V0" python3 benchmarks/bench_drafts.py --nextn "$OUT/nextn" --data-path "$GSM8K" \

@@ -398,6 +398,10 @@ JOBS: list[Job] = [
                   "--speculative-draft-model-path $R/train/nextn --speculative-num-steps 3 "
                   "--speculative-num-draft-tokens 4 --per-domain 3 --max-new-tokens 128 "
                   "--gsm8k $TMP/gsm8k/test.jsonl --name domains_nextn",
+                  "OUT=$R/train python3 benchmarks/bench_domains.py --speculative-algorithm NEXTN "
+                  "--speculative-draft-model-path $R/train/nextn --speculative-num-steps 3 "
+                  "--speculative-num-draft-tokens 4 --speculative-token-map $R/train/token_map.pt --per-domain 3 "
+                  "--max-new-tokens 128 --gsm8k $TMP/gsm8k/test.jsonl --name domains_nextn_token_map",
                   "for a in none DSPARK NEXTN; do baton generate 'Write a short story about a robot who learns to "
                   "paint.' --max-new-tokens 128 --speculative-algorithm $a; done > $R/train/story.log 2>&1"),
         gpus=1, limit_s=1500, needs=("gguf", "gsm8k"), background=True,
@@ -409,6 +413,7 @@ JOBS: list[Job] = [
              "EPOCHS": "3", "DATA_BUDGET": "260", "TRAIN_BUDGET": "300", "MAX_NEW": "320",
              "REPORT_QUESTIONS": "16"},
         outputs=("train/nextn", "train/dspark", "train/drafts_gsm8k_*", "train/domains_*", "train/story.log",
+                 "train/token_map.pt",
                  "train/data/*.summary.json", "train/*.log")),
     Job("train-dspark-more", "the shipped DSpark drafter trained further over both GPUs on more GSM8K data "
                              "(benchmarks/train_more_dspark.sh MODE=dp NEW_DATA=1), then STS and its GSM8K report",
