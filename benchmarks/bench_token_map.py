@@ -48,8 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     engines = {"full vocabulary": engine(), "token map": engine(token_map=ns.token_map)}
     first = engines["full vocabulary"]
     ids = first.tokenizer.encode(first.tokenizer.apply_chat_template([{"role": "user", "content": ns.prompt}]))
-    outs = {}
-    for name, e in engines.items():
+    for e in engines.values():
         timed_request(e, ids, 16, ignore_eos=True)  # warm-up
     runs: dict[str, list[dict]] = {k: [] for k in engines}
     for _ in range(ns.repeats):
@@ -58,7 +57,6 @@ def main(argv: list[str] | None = None) -> int:
             dec = r["latency_s"] - r["ttft_ms"] / 1e3
             runs[name].append({"step_ms": 1e3 * dec / r["verify_steps"], "decode_tok_s": (r["output_tokens"] - 1) / dec,
                                "accept_length": r["output_tokens"] / r["verify_steps"]})
-            outs[name] = r.get("text")
     rows = {name: {k: statistics.median(x[k] for x in v) for k in v[0]} for name, v in runs.items()}
     for name, r in rows.items():
         print(f"{name}: step {r['step_ms']:.2f} ms, {r['decode_tok_s']:.1f} tok/s, accept {r['accept_length']:.2f}")
