@@ -101,6 +101,7 @@ def parse_variant(spec: str) -> tuple[str, dict]:
 
 def replay_all(rec: dict, tables: dict[str, dict[int, float]], variants: dict[str, dict]) -> dict:
     from baton.speculative.adaptive import AdaptiveDepth, FixedDepth, replay
+    from benchmarks.bench_domains import heldout_names
 
     out: dict[str, dict] = {}
     for dev, step_ms in tables.items():
@@ -119,7 +120,7 @@ def replay_all(rec: dict, tables: dict[str, dict[int, float]], variants: dict[st
                 policy = AdaptiveDepth(depths, step_ms, **kw)  # one policy over the workload: it carries across
                 row[vname] = plain / sum(replay(policy, t["accepted"], t["tokens"], step_ms)[1] for t in reqs)
             rows[name] = row
-        held = [n for n in rows if n not in ("gsm8k", "random ids")]
+        held = heldout_names(rows)
         cols = list(next(iter(rows.values())))
         rows["held-out mean"] = {c: sum(rows[n][c] for n in held) / len(held) for c in cols}
         out[dev] = {"step_ms": step_ms, "x_plain": rows}
@@ -140,15 +141,13 @@ def tables_md(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from baton.args import add_engine_args
+    from benchmarks.bench_domains import add_workload_args
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("record", help="traces of accepted counts at the full depth over the domains")
     add_engine_args(r)
-    r.add_argument("--per-domain", type=int, default=3, help="held-out prompts per domain (and GSM8K questions)")
-    r.add_argument("--max-new-tokens", type=int, default=128)
-    r.add_argument("--gsm8k", default=None, help="a GSM8K jsonl (its first --per-domain questions)")
-    r.add_argument("--num-random", type=int, default=2, help="prompts of 64 random token ids (drawn with --seed)")
+    add_workload_args(r, per_domain=3, max_new_tokens=128)
     r.add_argument("--name", default="adaptive_traces", help="the result file's name")
     y = sub.add_parser("replay", help="the traces through the depth policies with each device's step times")
     y.add_argument("traces", help="a JSON written by `record`")

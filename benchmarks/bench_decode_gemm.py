@@ -755,6 +755,14 @@ def tune_w8a8(p: Plan, w: Weights, mods: dict, out_rows: list, deadline: float) 
     return winners
 
 
+def _replace_table(path: Path, data: dict) -> None:
+    """Write a tuned table in one step (a temporary file renamed over it): a reader never sees half a table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
 def write_w8a8_table(winners: dict, device_name: str) -> str:
     """The w8a8 winners into the fp8 table as ``"act": "fp8"`` entries: those of a tuned (n_out, k, swiglu) are
     replaced, every other entry (w8a16 ones included) stays."""
@@ -769,9 +777,7 @@ def write_w8a8_table(winners: dict, device_name: str) -> str:
                         "us": row["us"], "tbps": row["tbps"], "m": row["M"], "shape": row["shape"]})
     data.update(entries=entries, w8a8_written_by="benchmarks/bench_decode_gemm.py --tune-w8a8 --write-table",
                 w8a8_torch=torch.__version__, w8a8_triton=_triton_version())
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    _replace_table(path, data)
     lt._device_table.cache_clear()
     return str(path)
 
@@ -798,12 +804,9 @@ def write_tables(winners: dict, device_name: str) -> list[str]:
                 cfg = row["config"]
             entries.append({"kind": kind, "n_out": n_out, "k": k, "swiglu": swiglu, "config": cfg,
                             "us": row["us"], "tbps": row["tbps"], "m": row["M"], "shape": row["shape"]})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
         data.update(device=device_name, torch=torch.__version__, triton=_triton_version(),
                     written_by="benchmarks/bench_decode_gemm.py --tune --write-table", entries=entries)
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
+        _replace_table(path, data)
         written.append(str(path))
     lt._device_table.cache_clear()
     return written

@@ -98,10 +98,24 @@ def run(ns: argparse.Namespace) -> dict:
             "heldout_mean": heldout_mean(rows), "adaptive_step_ms": getattr(policy, "step_ms", None)}
 
 
+def add_workload_args(p: argparse.ArgumentParser, per_domain: int = 2, max_new_tokens: int = 96) -> None:
+    """The flags of ``workloads`` and the requests' length (this script's and bench_adaptive_policy's)."""
+    p.add_argument("--per-domain", type=int, default=per_domain,
+                   help="held-out prompts per domain (and GSM8K questions)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--gsm8k", default=None, help="a GSM8K jsonl (its first --per-domain questions)")
+    p.add_argument("--num-random", type=int, default=2, help="prompts of 64 random token ids (drawn with --seed)")
+
+
+def heldout_names(rows: dict) -> list[str]:
+    """The held-out general domains among the workloads: every one but GSM8K and random ids."""
+    return [n for n in rows if n not in ("gsm8k", "random ids")]
+
+
 def heldout_mean(rows: dict[str, dict[str, dict]]) -> dict[str, dict[str, float | None]]:
     """Per config, the mean over the held-out general domains (every workload but GSM8K and random ids) of the
     speedup against plain and of the accept length: the issue's "held-out general chat set, mean"."""
-    names = [n for n in rows if n not in ("gsm8k", "random ids")]
+    names = heldout_names(rows)
     out: dict[str, dict[str, float | None]] = {}
     for c in ("fixed", "adaptive"):
         sp = [rows[n][c]["speedup"] for n in names if rows[n][c]["speedup"] is not None]
@@ -163,10 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     add_engine_args(p)
-    p.add_argument("--per-domain", type=int, default=2, help="held-out prompts per domain (and GSM8K questions)")
-    p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--gsm8k", default=None, help="a GSM8K jsonl (its first --per-domain questions)")
-    p.add_argument("--num-random", type=int, default=2, help="prompts of 64 random token ids (drawn with --seed)")
+    add_workload_args(p)
     p.add_argument("--name", default="bench_domains", help="the result file's name")
     p.add_argument("--plot", default=None, metavar="PNG", help="a bar chart of the speedups (needs matplotlib)")
     ns = p.parse_args(argv)

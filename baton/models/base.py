@@ -51,10 +51,8 @@ class CausalLM(nn.Module):
         """hidden [T, d] -> fp32 logits [T, V_rank] of this rank's vocabulary block (padding rows included).
         The GEMV runs in the weight's dtype (bf16 on GPU, as the seed's final configuration) unless an fp32
         copy was made once by ``use_fp32_lm_head``; never a per-call conversion of the weight."""
-        w = self.lm_head_weight if self.lm_head_fp32_weight is None else self.lm_head_fp32_weight
-        if w.dtype == torch.float32:
-            return hidden.float() @ w.t()
-        return (hidden @ w.t()).float()
+        return _dense_logits(hidden, self.lm_head_weight if self.lm_head_fp32_weight is None
+                             else self.lm_head_fp32_weight)
 
     def use_fp32_lm_head(self) -> None:
         """Keep an fp32 copy of the lm_head for the logits (``--enable-fp32-lm-head``)."""
@@ -106,15 +104,13 @@ class CausalLM(nn.Module):
             from baton.ops.fp8_linear import fp8_linear
 
             return fp8_linear(hidden, *w)
-        if w.dtype == torch.float32:
-            return hidden.float() @ w.t()
-        return (hidden @ w.t()).float()
+        return _dense_logits(hidden, w)
 
     def draft_lm_head_bytes(self) -> int:
         """Bytes one drafts' lm_head pass reads (this rank's block)."""
         if self.draft_hot is not None:
             w = self.draft_hot[1]
-            return sum(t.nbytes for t in w) if isinstance(w, tuple) else getattr(w, "nbytes", 0)
+            return sum(t.nbytes for t in w) if isinstance(w, tuple) else w.nbytes
         if self.draft_lm_head_fp8 is not None:
             return sum(t.nbytes for t in self.draft_lm_head_fp8)
         return self.lm_head_weight.nbytes
@@ -170,3 +166,11 @@ class CausalLM(nn.Module):
     @property
     def embed_tokens(self) -> nn.Embedding:
         return self.model.embed_tokens
+
+
+def _dense_logits(hidden: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """hidden @ w.T as fp32 logits, the GEMV in the weight's dtype (fp32 weights take fp32 rows)."""
+    if w.dtype == torch.float32:
+        return hidden.float() @ w.t()
+    return (hidden @ w.t()).float()
+
