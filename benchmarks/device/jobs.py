@@ -127,6 +127,7 @@ def tune(flags: str) -> str:
 
 
 SMOL_AB = f"--model-path {SMOL_CONFIG} --load-format dummy --input-len 512 --output-len 256"
+FOLD_SHAPES = "kda_in_proj o_proj shared_gate_up shared_down dense_gate_up dense_down eh_proj"
 MOE_SWEEP = "python3 -m benchmarks.ops.bench_moe --fp8 --sweep --tokens 1 6 --routes uniform --no-torch"
 
 JOBS: list[Job] = [
@@ -176,6 +177,22 @@ JOBS: list[Job] = [
                   "mkdir -p $R/tables && cp baton/ops/linear/tuned/*.json $R/tables/ && for f in "
                   "baton/ops/fp8_linear/tuned/*.json; do cp $f $R/tables/fp8-$(basename $f); done"),
         gpus=1, limit_s=240, outputs=("decode_gemm_ling.json", "tables", "before")),
+    Job("fold-ling", "issue 22 item 2: w8a16 with the fp8 block scales folded into the rows (LinearConfig.fold: the "
+                     "fp16 MMA accumulates in place, no wait on each chunk's product); its kernel tests compiled, "
+                     "the fp8 Ling dense shapes with the table as it was, then tuned with fold candidates and written "
+                     "into this GPU's fp8 table (M = 1, 6, 17; floor at the measured copy rate)",
+        commands=("mkdir -p $R/before $R/tables && for f in baton/ops/fp8_linear/tuned/*.json; do cp $f "
+                  "$R/before/fp8-$(basename $f); done",
+                  f"set -o pipefail; {PYTEST} -n 12 tests/ops/test_decode_gemm.py -k fp8 "
+                  "--junitxml=$R/junit_fold.xml 2>&1 | tee $R/tests_fold.log",
+                  "set -o pipefail; python3 benchmarks/bench_decode_gemm.py --dtypes fp8 --shapes " + FOLD_SHAPES +
+                  " --m 1 6 17 --impls baton --bandwidth measure --workers 14 --json $R/decode_gemm_before.json "
+                  "2>&1 | tee $R/bench_before.log",
+                  "set -o pipefail; python3 benchmarks/bench_decode_gemm.py --tune --write-table --dtypes fp8 "
+                  "--shapes " + FOLD_SHAPES + " --m 1 6 17 --impls baton cublas --bandwidth measure --budget-s 120 "
+                  "--workers 14 --json $R/decode_gemm_fold.json 2>&1 | tee $R/bench_fold.log",
+                  "for f in baton/ops/fp8_linear/tuned/*.json; do cp $f $R/tables/fp8-$(basename $f); done"),
+        gpus=1, limit_s=330, outputs=("decode_gemm_*.json", "tables", "before", "junit_*.xml")),
     Job("tma-gemm", "issue 22, item 2: decode-shape projections with the weight tiles through tensor descriptors "
                     "(LinearConfig.tma): the tune's best per-thread-load config against its best TMA one at the "
                     "Ling dense shapes, bf16, w8a16 and w8a8, M = 1..17, on this GPU (floor at its measured copy "

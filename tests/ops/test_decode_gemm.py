@@ -105,6 +105,16 @@ FP8_CONFIGS = [
     ("swap-f16", dict(block_n=32, block_k=128, split_k=2, num_stages=3, dot=True, swap=True, f16=True)),
     ("swap-lookahead-f16", dict(block_n=16, block_k=64, split_k=2, num_stages=1, dot=True, swap=True, f16=True)),
     ("swap-f16-rowvec", dict(block_n=256, block_k=32, split_k=1, num_stages=2, dot=True, swap=True, f16=True)),
+    # the block scales folded into the rows: pipelined, split (a split inside a scale column), look-ahead; with a
+    # per-row scale tile (rowvec: fold does not apply) the kernel takes the plain f16 form
+    ("swap-f16-fold", dict(block_n=32, block_k=128, split_k=2, num_stages=3, dot=True, swap=True, f16=True,
+                           fold=True)),
+    ("swap-f16-fold-k64", dict(block_n=64, block_k=64, split_k=3, num_stages=2, dot=True, swap=True, f16=True,
+                               fold=True)),
+    ("swap-lookahead-f16-fold", dict(block_n=16, block_k=64, split_k=2, num_stages=1, dot=True, swap=True, f16=True,
+                                     fold=True)),
+    ("swap-f16-rowvec-fold", dict(block_n=256, block_k=32, split_k=1, num_stages=2, dot=True, swap=True, f16=True,
+                                  fold=True)),
     ("dot", dict(block_n=16, block_k=64, split_k=3, dot=True)),
 ]
 
@@ -143,11 +153,37 @@ def test_fp8_f16_mma_keeps_activations_beyond_fp16s_range(scale):
     q, s, rb = _fp8_weight([256, 72], 256, 9)
     x, _, _ = _inputs(6, 328, 256, torch.bfloat16, 5, scale=scale)
     want = fp8_ref.fp8_dense_linear(x.float(), q, s, rb)
-    for f16 in (False, True):
-        cfg = _cfg(32, 64, 2, 4, 2, dot=True, swap=True, f16=f16)
+    for f16, fold in ((False, False), (True, False), (True, True)):
+        cfg = _cfg(32, 64, 2, 4, 2, dot=True, swap=True, f16=f16, fold=fold)
         got = ft.fp8_dense(x, q, s, rb, pdl=False, config=cfg)
         assert torch.isfinite(got.float()).all()
-        assert rel_err(got, want) < 1e-2, (f16, scale)
+        assert rel_err(got, want) < 1e-2, (f16, fold, scale)
+
+
+@pytest.mark.parametrize("m", [2, 6, 17])
+def test_fp8_fold_is_as_accurate_as_the_f16_mma(m):
+    """Folding the block scales into the rows rounds each row x scale to fp16 once (11 bits): its error against
+    the fp32 reference stays within the unfolded fp16 MMA's (which rounds only the output to bf16) plus a bit, with
+    scales that vary by 2^10 between chunks and a row 2^12 larger than the others."""
+    ft = _ft()
+    k = 512
+    gen = torch.Generator().manual_seed(m)
+    w = torch.randn(128, k, generator=gen) * k**-0.5
+    w = w * 2.0 ** torch.arange(-5, 5).repeat_interleave(k // 8)[:k].float()[None, :]  # 2^-5 .. 2^2 by column
+    q, s = quantize_fp8_parts(w, [128])
+    x = torch.randn(m, k, generator=gen)
+    x[0] *= 4096
+    x = x.to(torch.bfloat16)
+    nw = (torch.rand(k, generator=gen) + 0.5).to(torch.bfloat16)
+    q, s, x, nw = q.to(DEV), s.to(DEV), x.to(DEV), nw.to(DEV)
+    want = fp8_ref.fp8_dense_linear(x.float(), q, s, None, nw.float(), 1e-6)
+    errs, outs = {}, {}
+    for fold in (False, True):
+        cfg = _cfg(32, 128, 1, 4, 2, dot=True, swap=True, f16=True, fold=fold)
+        outs[fold] = ft.fp8_dense(x, q, s, None, nw, 1e-6, pdl=False, config=cfg)
+        errs[fold] = rel_err(outs[fold], want)
+    assert not torch.equal(outs[False], outs[True])  # the folded form ran (its roundings differ)
+    assert errs[True] < 1e-2 and errs[True] < errs[False] * 1.5 + 1e-4, errs
 
 
 def test_fp8_fp32_rows_are_exact():

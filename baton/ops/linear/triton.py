@@ -108,7 +108,11 @@ class LinearConfig:
     ``num_stages`` > 1, Hopper+): the weight tiles come through a tensor descriptor (the copy engine, into shared
     memory, the compiler's pipeline ``num_stages`` deep) instead of per-thread loads. ``per_row`` (M > 1,
     ``dot=False``): each chunk's weight tile widened once and reduced against each row in turn (its chunk loaded on
-    its own), so a verify's few rows cost the GEMV's registers, not a [rows, BLOCK_N, BLOCK_K] product's."""
+    its own), so a verify's few rows cost the GEMV's registers, not a [rows, BLOCK_N, BLOCK_K] product's.
+    ``fold`` (fp8 weights, swap form with ``f16``, a tile inside one 128-row scale block): each chunk's weight block
+    scale multiplies the rows, not the product, with one power of two per row for the whole K range (from a bound
+    on |rows| x the largest scale), so every chunk's MMA accumulates in place (no wait for each chunk's product)
+    and the rows reach the MMA rounded once to fp16 (11 bits; bf16 rows have 8)."""
 
     block_n: int
     block_k: int
@@ -123,6 +127,7 @@ class LinearConfig:
     bits: bool = False
     tma: bool = False  # swap form, num_stages > 1: weight tiles through the tensor-memory accelerator (Hopper+)
     per_row: bool = False  # M > 1 with dot=False: the GEMV form once per row over the same weight tile
+    fold: bool = False  # fp8, swap form with f16 and one scale row a tile: the block scales folded into the rows
 
 
 # Measured winners, (kind, N_out, K, swiglu) -> config. Kind "gemv" is M == 1; "m4", "m8", "m16", "m32" are the
@@ -309,10 +314,12 @@ def _round(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _row_rstd(x_ptr, offs_m, m_mask, stride_xm, K: tl.constexpr, eps, BLOCK_M: tl.constexpr, STATS_BK: tl.constexpr,
-              HAS_NORM: tl.constexpr):
-    """RMSNorm's 1 / rms of each row of x (the prologue's statistics, over K in STATS_BK chunks); zeros without a
-    norm."""
+              HAS_NORM: tl.constexpr, NEED_AMAX: tl.constexpr = False, k_lo=0, K_PER_SPLIT: tl.constexpr = 1):
+    """RMSNorm's 1 / rms of each row of x (the prologue's statistics, over K in STATS_BK chunks; zeros without a
+    norm) and, with NEED_AMAX, each row's max |x| (over K with a norm, else over the split's columns from
+    ``k_lo``; zeros without)."""
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_NORM:
         sumsq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for c in tl.static_range(0, K, STATS_BK):
@@ -320,8 +327,41 @@ def _row_rstd(x_ptr, offs_m, m_mask, stride_xm, K: tl.constexpr, eps, BLOCK_M: t
             xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_s[None, :],
                          mask=m_mask[:, None] & (offs_s < K)[None, :], other=0.0).to(tl.float32)
             sumsq += tl.sum(xs * xs, axis=1)
+            if NEED_AMAX:
+                amax = tl.maximum(amax, tl.max(tl.abs(xs), axis=1))
         rstd = tl.rsqrt(sumsq / K + eps)
-    return rstd
+    elif NEED_AMAX:
+        for c in tl.static_range(0, K_PER_SPLIT, STATS_BK):
+            offs_s = k_lo + c + tl.arange(0, STATS_BK)
+            xs = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_s[None, :],
+                         mask=m_mask[:, None] & (offs_s < K)[None, :], other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(xs), axis=1))
+    return rstd, amax
+
+
+@triton.jit
+def _fold_scales(nw_ptr, s_base, amax, k_lo, k_hi, rstd, K_PER_SPLIT: tl.constexpr, STATS_BK: tl.constexpr,
+                 SB: tl.constexpr, NS_P2: tl.constexpr, HAS_NORM: tl.constexpr):
+    """FOLD: (down, up) [BLOCK_M], powers of two per row such that |prologue(x) x block scale| x down < 2^15 over
+    the split's columns [k_lo, k_hi) (``s_base``: the tile's scale row): the bound ``amax`` (each row's max |x|)
+    x rstd x max|norm weight| x 1.01 (the prologue's two roundings) x the split's largest scale (NS_P2: a power of
+    two >= the scale columns a split can touch). Rows without values get 1."""
+    bound = amax * 1.01
+    if HAS_NORM:
+        wmax = 0.0
+        for c in tl.static_range(0, K_PER_SPLIT, STATS_BK):
+            offs_s = k_lo + c + tl.arange(0, STATS_BK)
+            nw = tl.load(nw_ptr + offs_s, mask=offs_s < k_hi, other=0.0).to(tl.float32)
+            wmax = tl.maximum(wmax, tl.max(tl.abs(nw), axis=0))
+        bound = bound * rstd * wmax
+    cols = k_lo // SB + tl.arange(0, NS_P2)
+    sc = tl.load(s_base + cols, mask=cols * SB < k_hi, other=0.0)
+    bound = bound * tl.max(tl.abs(sc), axis=0)
+    e = ((bound.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141  # bound x 2^-e in [2^14, 2^15)
+    e = tl.where(bound > 0, tl.minimum(tl.maximum(e, -100), 100), 0)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    up = ((127 + e) << 23).to(tl.float32, bitcast=True)
+    return down, up
 
 
 @triton.jit
@@ -380,15 +420,24 @@ def _act_quant(h, ACT_FP8: tl.constexpr, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _mac(acc, h, w, s, FORM: tl.constexpr, S_MODE: tl.constexpr, DOT_F16: tl.constexpr, BITS: tl.constexpr,
-         DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, sx, ACT_FP8: tl.constexpr):
+         DOT_PRECISION: tl.constexpr, INTERPRET: tl.constexpr, sx, ACT_FP8: tl.constexpr, FOLD: tl.constexpr = False,
+         down=1.0):
     """One chunk into the accumulator. GEMV: acc [BLOCK_N, BLOCK_K] += the products (reduced after the loop);
     rows / dot: acc [BLOCK_M, BLOCK_N] += h @ w.T; swap: acc [BLOCK_N, BLOCK_M] += w @ h.T. ``s``: the fp8 chunk's
     scales (S_MODE), ignored for S_NONE. BITS (fp8, GEMV and rows forms): widen with ``_e4m3_bits`` and fold its
     2^120 into the scale. The interpreter's dot multiplies bf16 / fp16 bit patterns as integers, so there it runs on
-    exact fp32 copies."""
+    exact fp32 copies. FOLD (swap form, DOT_F16, S_SCALAR): ``down`` [BLOCK_M] is each row's power of two for the
+    whole K range; the chunk's rows times scale times ``down``, rounded to fp16, accumulate in place (the caller
+    multiplies the result by 1 / ``down``)."""
     if BITS:
         s = s * 1.329227995784916e36  # 2^120
-    if ACT_FP8:
+    if FOLD:
+        hs = (h.to(tl.float32) * (down * s)[:, None]).to(tl.float16)
+        if INTERPRET:
+            acc = tl.dot(w.to(tl.float32), tl.trans(hs.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w.to(tl.float16), tl.trans(hs), acc)
+    elif ACT_FP8:
         # w8a8 (swap form only): e4m3 tile x e4m3 rows -> fp32 on the MMA (wgmma / QGMMA), no per-weight widening;
         # the chunk's product times the weight block scale(s) and each row's activation group scale, in fp32
         if INTERPRET:
@@ -558,6 +607,7 @@ def linear_kernel(
     FORM: tl.constexpr, S_MODE: tl.constexpr, ROW_MAP: tl.constexpr, SB: tl.constexpr, DOT_F16: tl.constexpr,
     BITS: tl.constexpr, PREFETCH: tl.constexpr, LOOKAHEAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr, INTERPRET: tl.constexpr, ACT_FP8: tl.constexpr = False, W_TMA: tl.constexpr = False,
+    FOLD: tl.constexpr = False, NS_P2: tl.constexpr = 1,
 ):
     """out[M, N_OUT] = epilogue(prologue(x) @ dequantise(w).T). w has N_OUT rows (2 * N_OUT for SwiGLU: gate then
     up); fp8 (S_MODE > 0) with scales ``s_ptr`` [row blocks, cdiv(K, SB)] and, with ROW_MAP, each row's scale row
@@ -596,7 +646,8 @@ def linear_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
 
-    rstd = _row_rstd(x_ptr, offs_m, m_mask, stride_xm, K, eps, BLOCK_M, STATS_BK, HAS_NORM)
+    rstd, amax = _row_rstd(x_ptr, offs_m, m_mask, stride_xm, K, eps, BLOCK_M, STATS_BK, HAS_NORM, FOLD, k_lo,
+                           K_PER_SPLIT)
 
     # fp8 scales: the tile's scale row (scalar / per-column modes) or each row's (per-row mode)
     if S_MODE == 3:
@@ -614,6 +665,16 @@ def linear_kernel(
         s_base = s_ptr + ((pid_n * BLOCK_N) // SB) * stride_sn
         s_up = s_ptr + ((pid_n * BLOCK_N + N_OUT) // SB) * stride_sn
 
+    down = 1.0
+    up = 1.0
+    down_u = 1.0
+    up_u = 1.0
+    if FOLD:
+        down, up = _fold_scales(nw_ptr, s_base, amax, k_lo, k_hi, rstd, K_PER_SPLIT, STATS_BK, SB, NS_P2, HAS_NORM)
+        if SWIGLU:
+            down_u, up_u = _fold_scales(nw_ptr, s_up, amax, k_lo, k_hi, rstd, K_PER_SPLIT, STATS_BK, SB, NS_P2,
+                                        HAS_NORM)
+
     if FORM == 3:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     elif FORM == 0:
@@ -627,10 +688,11 @@ def linear_kernel(
                     H_DTYPE, INTERPRET)
         h, sx = _act_quant(h, ACT_FP8, INTERPRET)
         s0 = _load_s(s_base, k_lo, k_hi, BLOCK_K, SB, S_MODE)
-        acc = _mac(acc, h, w, s0, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8)
+        acc = _mac(acc, h, w, s0, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8, FOLD, down)
         if SWIGLU:
             su0 = _load_s(s_up, k_lo, k_hi, BLOCK_K, SB, S_MODE)
-            acc_up = _mac(acc_up, h, w_up, su0, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8)
+            acc_up = _mac(acc_up, h, w_up, su0, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8,
+                            FOLD, down_u)
         for i in range(1, N_CHUNKS):
             k0 = k_lo + i * BLOCK_K
             if W_TMA:
@@ -641,14 +703,19 @@ def linear_kernel(
                         H_DTYPE, INTERPRET)
             h, sx = _act_quant(h, ACT_FP8, INTERPRET)
             s = _load_s(s_base, k0, k_hi, BLOCK_K, SB, S_MODE)
-            acc = _mac(acc, h, w, s, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8)
+            acc = _mac(acc, h, w, s, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8, FOLD,
+                           down)
             if SWIGLU:
                 if W_TMA:
                     w_up = w_desc.load([pid_n * BLOCK_N + N_OUT, k0])
                 else:
                     w_up = _load_w(w_ptr, up_off, k0, k_hi, BLOCK_K, K_MASK)
                 s_u = _load_s(s_up, k0, k_hi, BLOCK_K, SB, S_MODE)
-                acc_up = _mac(acc_up, h, w_up, s_u, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8)
+                acc_up = _mac(acc_up, h, w_up, s_u, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8,
+                              FOLD, down_u)
+        if FOLD:
+            acc = acc * up[None, :]
+            acc_up = acc_up * up_u[None, :]
         acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
         if SWIGLU:
             acc_up = tl.trans(acc_up)
@@ -673,11 +740,12 @@ def linear_kernel(
                             HAS_NORM, H_DTYPE, INTERPRET)
                 h, sx = _act_quant(h, ACT_FP8, INTERPRET)
                 s = _load_s(s_base, k0, k_hi, BLOCK_K, SB, S_MODE)
-                acc = _mac(acc, h, w, s, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8)
+                acc = _mac(acc, h, w, s, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx, ACT_FP8, FOLD,
+                           down)
                 if SWIGLU:
                     s_u = _load_s(s_up, k0, k_hi, BLOCK_K, SB, S_MODE)
                     acc_up = _mac(acc_up, h, w_up, s_u, FORM, S_MODE, DOT_F16, BITS, DOT_PRECISION, INTERPRET, sx,
-                                  ACT_FP8)
+                                  ACT_FP8, FOLD, down_u)
             w = w_next
             if SWIGLU:
                 w_up = w_up_next
@@ -688,6 +756,9 @@ def linear_kernel(
             else:
                 acc_up = acc  # same shape on both sides of the split-K branch below
         elif FORM == 3:
+            if FOLD:
+                acc = acc * up[None, :]
+                acc_up = acc_up * up_u[None, :]
             acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
             if SWIGLU:
                 acc_up = tl.trans(acc_up)
@@ -829,6 +900,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | N
         prefetch = 0
     extra = {"launch_pdl": True} if pdl else {}
     dot_f16 = bool(fp8 and cfg.f16 and form == SWAP and x.dtype != torch.float32 and not act_fp8)
+    fold = bool(dot_f16 and cfg.fold and s_mode == S_SCALAR)
     linear_kernel[(n_blocks, split_k)](
         x2, weight, w_desc, out if scale is None else scale, out if row_block is None else row_block,
         x2 if norm_weight is None else norm_weight, res2, out, part, counters,
@@ -843,7 +915,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | N
         BITS=bool(fp8 and cfg.bits and form in (GEMV, ROWS, PER_ROW)), PREFETCH=prefetch,
         LOOKAHEAD=lookahead,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        INTERPRET=env.triton_interpret(), ACT_FP8=act_fp8, W_TMA=w_desc is not None,
+        INTERPRET=env.triton_interpret(), ACT_FP8=act_fp8, W_TMA=w_desc is not None, FOLD=fold,
+        NS_P2=_pow2_at_least(triton.cdiv(k_per_split, SB) + 1) if fold else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
     return out.reshape(*x.shape[:-1], n_out)
