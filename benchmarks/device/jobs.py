@@ -193,6 +193,15 @@ JOBS: list[Job] = [
                   "--workers 14 --json $R/decode_gemm_fold.json 2>&1 | tee $R/bench_fold.log",
                   "for f in baton/ops/fp8_linear/tuned/*.json; do cp $f $R/tables/fp8-$(basename $f); done"),
         gpus=1, limit_s=330, outputs=("decode_gemm_*.json", "tables", "before", "junit_*.xml")),
+    Job("ncu-linear", "issue 22 item 2: Nsight Compute on the fp8 KDA in-projection at M = 6 (the NEXTN verify): "
+                      "this GPU's table config, the fp16 MMA without and with the folded scales, and bf16; "
+                      "throughput, warp stalls and the source lines they sit on",
+        commands=("ncu --clock-control none -k regex:linear_kernel --section SpeedOfLight --section Occupancy "
+                  "--section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis "
+                  "--section SourceCounters --section InstructionStats python3 -m benchmarks.ops.profile_linear "
+                  "kda_in_proj:fp8:6 kda_in_proj:fp8:6:swap-64x128-s1-w4-st4-f16 "
+                  "kda_in_proj:fp8:6:swap-64x128-s1-w4-st4-f16-fold kda_in_proj:bf16:6 > $R/ncu.log 2>&1",),
+        gpus=1, limit_s=180, outputs=("ncu.log",)),
     Job("tma-gemm", "issue 22, item 2: decode-shape projections with the weight tiles through tensor descriptors "
                     "(LinearConfig.tma): the tune's best per-thread-load config against its best TMA one at the "
                     "Ling dense shapes, bf16, w8a16 and w8a8, M = 1..17, on this GPU (floor at its measured copy "
