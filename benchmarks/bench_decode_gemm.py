@@ -182,8 +182,12 @@ def swap_candidates(s: Shape, fp8: bool) -> list:
              (16, 128, 4)] if fp8 else \
         [(64, 128, 4), (64, 256, 3), (128, 128, 3), (64, 64, 4), (128, 64, 4), (64, 128, 1), (32, 128, 4),
          (32, 256, 3), (16, 256, 4)]
+    # two warpgroups over 128 / 256 rows: the rows' prologue (RMSNorm, the fp16 scaling) once for twice or four
+    # times the weights of a 64-row tile (the sm_90 SASS of the K loop: benchmarks/ops/sass_linear.py)
+    wide = [(128, 128, 4), (256, 128, 3), (256, 128, 4), (128, 128, 1), (256, 128, 1)] if fp8 else \
+        [(128, 128, 1), (256, 128, 1), (256, 64, 3), (128, 128, 3)]
     out = []
-    for bn, bk, st in tiles:
+    for bn, bk, st, nw in [t + (4,) for t in tiles] + [t + (8,) for t in wide]:
         if bk > _pow2(s.k):
             continue
         smem = st * (bn * bk * esize * rpc + 32 * bk * 2)
@@ -192,7 +196,7 @@ def swap_candidates(s: Shape, fp8: bool) -> list:
         nb = math.ceil(s.n_out / bn)
         for target in (132, 264):
             for f16 in ((False, True) if fp8 else (False,)):
-                out.append(_cfg(block_n=bn, block_k=bk, split_k=_fill(nb, s.k, bk, target), num_warps=4,
+                out.append(_cfg(block_n=bn, block_k=bk, split_k=_fill(nb, s.k, bk, target), num_warps=nw,
                                 num_stages=st, dot=True, swap=True, f16=f16))
                 if f16 and fold:
                     out.append(dataclasses.replace(out[-1], fold=True))
