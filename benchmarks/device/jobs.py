@@ -193,17 +193,18 @@ JOBS: list[Job] = [
                   "--workers 14 --json $R/decode_gemm_fold.json 2>&1 | tee $R/bench_fold.log",
                   "for f in baton/ops/fp8_linear/tuned/*.json; do cp $f $R/tables/fp8-$(basename $f); done"),
         gpus=1, limit_s=330, outputs=("decode_gemm_*.json", "tables", "before", "junit_*.xml")),
-    Job("wide-tiles", "issue 22 item 2: the swap form over 128 / 256 weight rows with 8 warps (the rows' prologue "
-                      "once for more weights: 8.3 -> 3.8 SASS instructions a weight for the fp8 KDA in-projection), "
-                      "tuned into this GPU's tables at the shapes with an RMSNorm prologue, bf16 and w8a16",
-        commands=("mkdir -p $R/before $R/tables && cp baton/ops/linear/tuned/*.json $R/before/ && for f in "
-                  "baton/ops/fp8_linear/tuned/*.json; do cp $f $R/before/fp8-$(basename $f); done",
-                  "set -o pipefail; python3 benchmarks/bench_decode_gemm.py --tune --write-table --dtypes bf16 fp8 "
-                  "--shapes kda_in_proj dense_gate_up --m 1 6 17 --impls baton cublas --bandwidth measure "
-                  "--budget-s 100 --workers 14 --json $R/decode_gemm_wide.json 2>&1 | tee $R/bench_wide.log",
-                  "cp baton/ops/linear/tuned/*.json $R/tables/ && for f in baton/ops/fp8_linear/tuned/*.json; do "
-                  "cp $f $R/tables/fp8-$(basename $f); done"),
-        gpus=1, limit_s=200, outputs=("decode_gemm_*.json", "tables", "before")),
+    Job("wide-tiles", "issue 22 item 2: the w8a16 swap form over 128 / 256 weight rows with 8 warps (the rows' "
+                      "prologue once for more weights: 8.3 -> 4.6 SASS instructions a weight for the fp8 KDA "
+                      "in-projection, benchmarks/ops/sass_linear.py) tuned into this GPU's fp8 table at the Ling "
+                      "shapes with an RMSNorm prologue or SwiGLU (bf16 was tuned with them on 2026-12-07: no gain)",
+        commands=("mkdir -p $R/before $R/tables && for f in baton/ops/fp8_linear/tuned/*.json; do cp $f "
+                  "$R/before/fp8-$(basename $f); done",
+                  "set -o pipefail; python3 benchmarks/bench_decode_gemm.py --tune --write-table --dtypes fp8 "
+                  "--shapes kda_in_proj dense_gate_up shared_gate_up o_proj --m 1 6 17 --impls baton cublas "
+                  "--bandwidth measure --budget-s 150 --workers 14 --json $R/decode_gemm_wide.json 2>&1 "
+                  "| tee $R/bench_wide.log",
+                  "for f in baton/ops/fp8_linear/tuned/*.json; do cp $f $R/tables/fp8-$(basename $f); done"),
+        gpus=1, limit_s=330, outputs=("decode_gemm_*.json", "tables", "before")),
     Job("ncu-linear", "issue 22 item 2: Nsight Compute on the fp8 KDA in-projection at M = 6 (the NEXTN verify): "
                       "this GPU's table config, the fp16 MMA without and with the folded scales, and bf16; "
                       "throughput, warp stalls and the source lines they sit on",

@@ -74,7 +74,9 @@ from baton import env
 from baton.ops.quant.triton import quant_e4m3_rows
 
 __all__ = [
+    "LaunchPlan",
     "LinearConfig",
+    "launch_plan",
     "linear",
     "linear_fwd",
     "linear_swiglu",
@@ -245,10 +247,12 @@ def table_kinds(m: int, act_fp8: bool = False) -> tuple[str, ...]:
 
 
 def pick_config(m: int, n_out: int, k: int, swiglu: bool = False, fp8: bool = False,
-                act_fp8: bool = False) -> LinearConfig:
+                act_fp8: bool = False, device_name: str | None = None) -> LinearConfig:
     """The config for x [m, k] and n_out output columns: a tuned entry if the shape has one, else the buckets.
-    ``fp8``: the fp8 weights' table; ``act_fp8``: its w8a8 entries (always a swap-form config, BLOCK_K 128)."""
-    name = _current_device_name()
+    ``fp8``: the fp8 weights' table; ``act_fp8``: its w8a8 entries (always a swap-form config, BLOCK_K 128).
+    ``device_name``: that GPU's tables instead of the current one's (tools that compile for a GPU they are not
+    on)."""
+    name = device_name or _current_device_name()
     table = _device_table(name, fp8) if name else {}
     tuned = TUNED_FP8 if fp8 else TUNED
     if act_fp8:
@@ -842,9 +846,33 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | N
             residual: torch.Tensor | None, swiglu: bool, limit: float, config: LinearConfig | None,
             use_pdl: bool | None, scale: torch.Tensor | None = None,
             row_block: torch.Tensor | None = None, act_fp8: bool = False) -> torch.Tensor:
-    """One launch of ``linear_kernel``; ``scale`` (fp32 [row blocks, cdiv(K, 128)]) marks an fp8 weight;
-    ``act_fp8`` (fp8 weights only): w8a8, the rows quantised per 128-column group in the prologue and the swap form's
-    MMA in fp8 at every M (M = 1 too: the rows padded to 16), chunks of exactly one group (BLOCK_K = 128)."""
+    """One launch of ``linear_kernel`` (``launch_plan``'s)."""
+    plan = launch_plan(x, weight, norm_weight, eps, residual, swiglu, limit, config, use_pdl, scale, row_block,
+                       act_fp8)
+    linear_kernel[plan.grid](*plan.args, **plan.kwargs)
+    return plan.out.reshape(*x.shape[:-1], plan.out.shape[-1])
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What one call launches: the grid, ``linear_kernel``'s positional arguments and its keyword arguments
+    (constexprs, ``num_warps``, ``num_stages``, ``launch_pdl``), and the output tensor [M, N_out] it writes.
+    ``benchmarks/ops/sass_linear.py`` compiles the same plan for a GPU target without launching it."""
+
+    grid: tuple[int, int]
+    args: tuple
+    kwargs: dict
+    out: torch.Tensor
+
+
+def launch_plan(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
+                residual: torch.Tensor | None, swiglu: bool, limit: float, config: LinearConfig | None,
+                use_pdl: bool | None, scale: torch.Tensor | None = None,
+                row_block: torch.Tensor | None = None, act_fp8: bool = False) -> LaunchPlan:
+    """The launch of ``linear_kernel`` for these operands; ``scale`` (fp32 [row blocks, cdiv(K, 128)]) marks an fp8
+    weight; ``act_fp8`` (fp8 weights only): w8a8, the rows quantised per 128-column group in the prologue and the
+    swap form's MMA in fp8 at every M (M = 1 too: the rows padded to 16), chunks of exactly one group
+    (BLOCK_K = 128)."""
     fp8 = scale is not None
     assert fp8 or not act_fp8, "act_fp8 needs an fp8 weight"
     k = x.shape[-1]
@@ -901,12 +929,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | N
     extra = {"launch_pdl": True} if pdl else {}
     dot_f16 = bool(fp8 and cfg.f16 and form == SWAP and x.dtype != torch.float32 and not act_fp8)
     fold = bool(dot_f16 and cfg.fold and s_mode == S_SCALAR)
-    linear_kernel[(n_blocks, split_k)](
+    args = (
         x2, weight, w_desc, out if scale is None else scale, out if row_block is None else row_block,
         x2 if norm_weight is None else norm_weight, res2, out, part, counters,
         m, n_out,
         x2.stride(0), weight.stride(0), 0 if scale is None else scale.stride(0), res2.stride(0), out.stride(0),
         float(eps), float(limit),
+    )
+    kwargs = dict(
         K=k, K_PER_SPLIT=k_per_split, SPLIT_K=split_k,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
         STATS_BK=min(_pow2_at_least(k), 8192 // block_m),
@@ -919,7 +949,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | N
         NS_P2=_pow2_at_least(triton.cdiv(k_per_split, SB) + 1) if fold else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
-    return out.reshape(*x.shape[:-1], n_out)
+    return LaunchPlan((n_blocks, split_k), args, kwargs, out)
 
 
 def linear_fwd(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
