@@ -173,18 +173,17 @@ def gemv_candidates(s: Shape, fp8: bool, old_table: dict | None = None) -> list:
 def swap_candidates(s: Shape, fp8: bool) -> list:
     """M > 1: the swap-AB tl.dot form (BLOCK_N >= 64 takes wgmma, narrower tiles mma.sync), loads pipelined 3-4
     deep (or, stages 1, the register look-ahead); K split to about one or two programs per SM; fp8 with the MMA in
-    bf16 or fp16, and fp16 with the block scales folded into the rows (``fold``) where a tile has one scale row."""
+    bf16 or fp16, and fp16 rows made once by their own kernel (``pre``). (``fold``, the block scales folded into
+    the rows, measured 1.13x slower than the same tiles without it on an H100: not a candidate.)"""
     esize = 1 if fp8 else 2
     rpc = 2 if s.swiglu else 1
-    # fp16 MMA with the block scales folded into the rows (LinearConfig.fold): tiles with one scale row each
-    fold = fp8 and _row_map(s) is None and not (s.swiglu and s.n_out % 128)
     tiles = [(64, 128, 4), (128, 128, 3), (128, 64, 4), (64, 128, 1), (128, 128, 1), (32, 128, 4),
              (16, 128, 4)] if fp8 else \
         [(64, 128, 4), (64, 256, 3), (128, 128, 3), (64, 64, 4), (128, 64, 4), (64, 128, 1), (32, 128, 4),
          (32, 256, 3), (16, 256, 4)]
     # two warpgroups over 128 / 256 rows: the rows' prologue (RMSNorm, the fp16 scaling) once for twice or four
     # times the weights of a 64-row tile (the sm_90 SASS of the K loop: benchmarks/ops/sass_linear.py)
-    wide = [(128, 128, 4), (256, 128, 3), (256, 128, 4), (128, 128, 1), (256, 128, 1)] if fp8 else \
+    wide = [(128, 128, 4), (256, 128, 3), (128, 128, 1)] if fp8 else \
         [(128, 128, 1), (256, 128, 1), (256, 64, 3), (128, 128, 3)]
     out = []
     for bn, bk, st, nw in [t + (4,) for t in tiles] + [t + (8,) for t in wide]:
@@ -198,8 +197,8 @@ def swap_candidates(s: Shape, fp8: bool) -> list:
             for f16 in ((False, True) if fp8 else (False,)):
                 out.append(_cfg(block_n=bn, block_k=bk, split_k=_fill(nb, s.k, bk, target), num_warps=nw,
                                 num_stages=st, dot=True, swap=True, f16=f16))
-                if f16 and fold:
-                    out.append(dataclasses.replace(out[-1], fold=True))
+                if fp8 and not f16:  # the rows' prologue once, in a kernel of its own (LinearConfig.pre)
+                    out.append(dataclasses.replace(out[-1], pre=True))
     return list(dict.fromkeys(out))
 
 
@@ -295,7 +294,8 @@ def cfg_name(c) -> str:
     form = ("prow" if c.per_row else "gemv") if not c.dot else "swap" if c.swap else "dot"
     extra = (f"-st{c.num_stages}" if c.swap or (c.dot and c.num_stages > 1) else "") + ("-f16" if c.f16 else "") \
         + ("-fold" if getattr(c, "fold", False) else "") \
-        + ("-bits" if c.bits else "") + (f"-pf{c.prefetch}" if c.prefetch else "") + ("-tma" if c.tma else "")
+        + ("-bits" if c.bits else "") + (f"-pf{c.prefetch}" if c.prefetch else "") + ("-tma" if c.tma else "") \
+        + ("-pre" if getattr(c, "pre", False) else "")
     return f"{form}-{c.block_n}x{c.block_k}-s{c.split_k}-w{c.num_warps}{extra}"
 
 

@@ -193,18 +193,22 @@ JOBS: list[Job] = [
                   "--workers 14 --json $R/decode_gemm_fold.json 2>&1 | tee $R/bench_fold.log",
                   "for f in baton/ops/fp8_linear/tuned/*.json; do cp $f $R/tables/fp8-$(basename $f); done"),
         gpus=1, limit_s=330, outputs=("decode_gemm_*.json", "tables", "before", "junit_*.xml")),
-    Job("wide-tiles", "issue 22 item 2: the w8a16 swap form over 128 / 256 weight rows with 8 warps (the rows' "
-                      "prologue once for more weights: 8.3 -> 4.6 SASS instructions a weight for the fp8 KDA "
-                      "in-projection, benchmarks/ops/sass_linear.py) tuned into this GPU's fp8 table at the Ling "
-                      "shapes with an RMSNorm prologue or SwiGLU (bf16 was tuned with them on 2026-12-07: no gain)",
+    Job("fp8-pre", "issue 22 item 2: w8a16 with the rows' prologue in a kernel of its own (LinearConfig.pre: "
+                   "2.2-2.9 SASS instructions a weight against 4.3-8.3, benchmarks/ops/sass_linear.py) and the "
+                   "8-warp 128 / 256-row tiles: the kernel tests compiled, the fp8 Ling dense shapes tuned into "
+                   "this GPU's fp8 table, then the whole model's NEXTN step with it (run ling-flash-fp8-dense in "
+                   "the call before, on the same machine, for the step before)",
         commands=("mkdir -p $R/before $R/tables && for f in baton/ops/fp8_linear/tuned/*.json; do cp $f "
                   "$R/before/fp8-$(basename $f); done",
+                  f"set -o pipefail; {PYTEST} -n 12 tests/ops/test_decode_gemm.py -k 'fp8 or pre' "
+                  "--junitxml=$R/junit_pre.xml 2>&1 | tee $R/tests_pre.log",
                   "set -o pipefail; python3 benchmarks/bench_decode_gemm.py --tune --write-table --dtypes fp8 "
-                  "--shapes kda_in_proj dense_gate_up shared_gate_up o_proj --m 1 6 17 --impls baton cublas "
-                  "--bandwidth measure --budget-s 150 --workers 14 --json $R/decode_gemm_wide.json 2>&1 "
-                  "| tee $R/bench_wide.log",
-                  "for f in baton/ops/fp8_linear/tuned/*.json; do cp $f $R/tables/fp8-$(basename $f); done"),
-        gpus=1, limit_s=330, outputs=("decode_gemm_*.json", "tables", "before")),
+                  "--shapes kda_in_proj o_proj mla_in_proj shared_gate_up shared_down dense_gate_up dense_down "
+                  "eh_proj --m 1 6 17 --impls baton cublas --bandwidth measure --budget-s 170 --workers 14 "
+                  "--json $R/decode_gemm_pre.json 2>&1 | tee $R/bench_pre.log",
+                  "for f in baton/ops/fp8_linear/tuned/*.json; do cp $f $R/tables/fp8-$(basename $f); done",
+                  ling(42, "--quantization fp8 --modes nextn --enable-fp8-draft-lm-head")),
+        gpus=1, limit_s=560, outputs=("decode_gemm_*.json", "tables", "before", "junit_*.xml", "ling_flash_*.json")),
     Job("ncu-linear", "issue 22 item 2: Nsight Compute on the fp8 KDA in-projection at M = 6 (the NEXTN verify): "
                       "this GPU's table config, the fp16 MMA without and with the folded scales, and bf16; "
                       "throughput, warp stalls and the source lines they sit on",

@@ -29,7 +29,7 @@ def parse_config(name: str):
     stages = next((int(f[2:]) for f in flags if f.startswith("st")), 1)
     return LinearConfig(int(bn), int(bk), int(split), int(warps), stages, dot=form in ("swap", "dot"),
                         swap=form == "swap", f16="f16" in flags, fold="fold" in flags, bits="bits" in flags,
-                        tma="tma" in flags, per_row=form == "prow")
+                        tma="tma" in flags, per_row=form == "prow", pre="pre" in flags)
 
 
 def call(spec: str) -> None:

@@ -115,6 +115,10 @@ FP8_CONFIGS = [
                                      fold=True)),
     ("swap-f16-rowvec-fold", dict(block_n=256, block_k=32, split_k=1, num_stages=2, dot=True, swap=True, f16=True,
                                   fold=True)),
+    # the rows' prologue in a kernel of its own (rows_f16_kernel), the GEMM on its fp16 rows
+    ("swap-pre", dict(block_n=32, block_k=128, split_k=2, num_stages=3, dot=True, swap=True, pre=True)),
+    ("swap-lookahead-pre", dict(block_n=16, block_k=64, split_k=2, num_stages=1, dot=True, swap=True, pre=True)),
+    ("swap-pre-rowvec", dict(block_n=256, block_k=32, split_k=1, num_stages=2, dot=True, swap=True, pre=True)),
     ("dot", dict(block_n=16, block_k=64, split_k=3, dot=True)),
 ]
 
@@ -153,11 +157,38 @@ def test_fp8_f16_mma_keeps_activations_beyond_fp16s_range(scale):
     q, s, rb = _fp8_weight([256, 72], 256, 9)
     x, _, _ = _inputs(6, 328, 256, torch.bfloat16, 5, scale=scale)
     want = fp8_ref.fp8_dense_linear(x.float(), q, s, rb)
-    for f16, fold in ((False, False), (True, False), (True, True)):
-        cfg = _cfg(32, 64, 2, 4, 2, dot=True, swap=True, f16=f16, fold=fold)
+    for f16, fold, pre in ((False, False, False), (True, False, False), (True, True, False), (False, False, True)):
+        cfg = _cfg(32, 64, 2, 4, 2, dot=True, swap=True, f16=f16, fold=fold, pre=pre)
         got = ft.fp8_dense(x, q, s, rb, pdl=False, config=cfg)
         assert torch.isfinite(got.float()).all()
-        assert rel_err(got, want) < 1e-2, (f16, fold, scale)
+        assert rel_err(got, want) < 1e-2, (f16, fold, pre, scale)
+
+
+@pytest.mark.parametrize("m", [2, 6, 17])
+@pytest.mark.parametrize("fusion", ["norm_residual", "swiglu"])
+def test_fp8_pre_rows_match_the_bf16_mma(m, fusion):
+    """``pre``: the prologue once in rows_f16_kernel, then the GEMM on exact fp16 copies of its rows: the same
+    products as the bf16 MMA form, so the two agree to the accumulation order (a few bf16 output ulps at most), and
+    both sit within bf16's error of the fp32 reference."""
+    ft = _ft()
+    k = 300
+    parts = [128, 128] if fusion == "swiglu" else [256, 72]
+    q, s, rb = _fp8_weight(parts, k, m + 3)
+    n_out = sum(parts) // 2 if fusion == "swiglu" else sum(parts)
+    x, nw, res = _inputs(m, n_out, k, torch.bfloat16, m + 11, scale=40.0)
+    outs = {}
+    for pre in (False, True):
+        cfg = _cfg(32, 128, 2, 4, 2, dot=True, swap=True, pre=pre)
+        if fusion == "swiglu":
+            outs[pre] = ft.fp8_dense(x, q, s, rb, nw, 1e-6, None, True, 5.0, pdl=False, config=cfg)
+        else:
+            outs[pre] = ft.fp8_dense(x, q, s, rb, nw, 1e-6, res, pdl=False, config=cfg)
+    if fusion == "swiglu":
+        want = fp8_ref.fp8_dense_linear_swiglu(x.float(), q, s, rb, nw.float(), 1e-6, 5.0)
+    else:
+        want = fp8_ref.fp8_dense_linear(x.float(), q, s, rb, nw.float(), 1e-6, res.float())
+    assert rel_err(outs[True], outs[False]) < 2e-3
+    assert rel_err(outs[True], want) < 1e-2
 
 
 @pytest.mark.parametrize("m", [2, 6, 17])

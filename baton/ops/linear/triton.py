@@ -114,7 +114,11 @@ class LinearConfig:
     ``fold`` (fp8 weights, swap form with ``f16``, a tile inside one 128-row scale block): each chunk's weight block
     scale multiplies the rows, not the product, with one power of two per row for the whole K range (from a bound
     on |rows| x the largest scale), so every chunk's MMA accumulates in place (no wait for each chunk's product)
-    and the rows reach the MMA rounded once to fp16 (11 bits; bf16 rows have 8)."""
+    and the rows reach the MMA rounded once to fp16 (11 bits; bf16 rows have 8). ``pre`` (fp8 weights, swap form,
+    bf16 / fp16 rows): the rows' prologue (RMSNorm, then a power of two per row into fp16's range: exact for bf16
+    rows) runs once, in ``rows_f16_kernel`` (one program a row), not in every chunk of every program; the GEMM
+    streams fp16 rows against the weight tiles widened by the packed e4m3 -> fp16 conversion alone, and its epilogue
+    multiplies each row back by its power of two before the roundings. Two launches instead of one."""
 
     block_n: int
     block_k: int
@@ -130,6 +134,7 @@ class LinearConfig:
     tma: bool = False  # swap form, num_stages > 1: weight tiles through the tensor-memory accelerator (Hopper+)
     per_row: bool = False  # M > 1 with dot=False: the GEMV form once per row over the same weight tile
     fold: bool = False  # fp8, swap form with f16 and one scale row a tile: the block scales folded into the rows
+    pre: bool = False  # fp8, swap form (M > 1): the rows' prologue in a kernel of its own (rows_f16_kernel)
 
 
 # Measured winners, (kind, N_out, K, swiglu) -> config. Kind "gemv" is M == 1; "m4", "m8", "m16", "m32" are the
@@ -579,9 +584,14 @@ def _mac_rows(acc, acc_up, x_ptr, nw_ptr, rstd, offs_m, offs_k, k_hi, stride_xm,
 @triton.jit
 def _epilogue(acc, acc_up, out_ptr, res_ptr, offs_m, offs_n, M, N_OUT, stride_om, stride_rm, limit,
               Y_DTYPE: tl.constexpr, HAS_RES: tl.constexpr, SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
-              INTERPRET: tl.constexpr):
-    """Round the GEMM result to x's dtype as F.linear does, then SwiGLU or ``residual + y``; store [M, N_OUT]."""
+              INTERPRET: tl.constexpr, ROW_UP: tl.constexpr = False, up_ptr=None):
+    """Round the GEMM result to x's dtype as F.linear does, then SwiGLU or ``residual + y``; store [M, N_OUT].
+    ROW_UP: the rows came pre-scaled (``rows_f16_kernel``): each row's power of two ``up_ptr[m]`` first (exact)."""
     OUT_DTYPE: tl.constexpr = out_ptr.dtype.element_ty
+    if ROW_UP:
+        rup = tl.load(up_ptr + offs_m, mask=offs_m < M, other=1.0)[:, None]
+        acc = acc * rup
+        acc_up = acc_up * rup
     y = _round(acc, Y_DTYPE, INTERPRET)
     if SWIGLU:
         up = _round(acc_up, Y_DTYPE, INTERPRET)
@@ -600,8 +610,36 @@ def _epilogue(acc, acc_up, out_ptr, res_ptr, offs_m, offs_n, M, N_OUT, stride_om
 
 
 @triton.jit
+def rows_f16_kernel(x_ptr, nw_ptr, h_ptr, up_ptr, stride_xm, eps, K: tl.constexpr, BLOCK: tl.constexpr,
+                    HAS_NORM: tl.constexpr, USE_PDL: tl.constexpr, INTERPRET: tl.constexpr):
+    """``pre``: one program a row of x [M, K]: the prologue ``_load_h`` computes (RMSNorm with its two roundings to
+    x's dtype, or x itself), then that row times 2^-e into [2^14, 2^15) at its largest, stored as fp16 ``h``
+    [M, K] (exact for bf16 values above 2^-29 of the row's largest), and 2^e in ``up`` [M] fp32."""
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0)
+    h = x.to(tl.float32)
+    if HAS_NORM:
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / K + eps)
+        nw = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = _round(h * rstd, x.dtype, INTERPRET)
+        h = _round(y * nw, x.dtype, INTERPRET)
+    amax = tl.max(tl.abs(h), axis=0)
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141
+    e = tl.where(amax > 0, tl.minimum(tl.maximum(e, -100), 100), 0)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    up = ((127 + e) << 23).to(tl.float32, bitcast=True)
+    tl.store(h_ptr + row * K + offs, (h * down).to(tl.float16), mask=mask)
+    tl.store(up_ptr + row, up)
+
+
+@triton.jit
 def linear_kernel(
-    x_ptr, w_ptr, w_desc, s_ptr, rb_ptr, nw_ptr, res_ptr, out_ptr, part_ptr, count_ptr,
+    x_ptr, w_ptr, w_desc, s_ptr, rb_ptr, nw_ptr, res_ptr, out_ptr, part_ptr, count_ptr, up_ptr,
     M, N_OUT,
     stride_xm, stride_wn, stride_sn, stride_rm, stride_om,
     eps, limit,
@@ -611,13 +649,15 @@ def linear_kernel(
     FORM: tl.constexpr, S_MODE: tl.constexpr, ROW_MAP: tl.constexpr, SB: tl.constexpr, DOT_F16: tl.constexpr,
     BITS: tl.constexpr, PREFETCH: tl.constexpr, LOOKAHEAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr, INTERPRET: tl.constexpr, ACT_FP8: tl.constexpr = False, W_TMA: tl.constexpr = False,
-    FOLD: tl.constexpr = False, NS_P2: tl.constexpr = 1,
+    FOLD: tl.constexpr = False, NS_P2: tl.constexpr = 1, ROW_UP: tl.constexpr = False, ROW_DTYPE: tl.constexpr = None,
 ):
     """out[M, N_OUT] = epilogue(prologue(x) @ dequantise(w).T). w has N_OUT rows (2 * N_OUT for SwiGLU: gate then
     up); fp8 (S_MODE > 0) with scales ``s_ptr`` [row blocks, cdiv(K, SB)] and, with ROW_MAP, each row's scale row
     ``rb_ptr[row]``."""
-    Y_DTYPE: tl.constexpr = x_ptr.dtype.element_ty
-    H_DTYPE: tl.constexpr = Y_DTYPE if S_MODE > 0 else w_ptr.dtype.element_ty
+    # ROW_UP: x is the fp16 rows of ``rows_f16_kernel`` (each row times its 2^-e); the result is rounded to the
+    # original activations' dtype, ROW_DTYPE, after the rows' 2^e (``up_ptr``)
+    Y_DTYPE: tl.constexpr = ROW_DTYPE if ROW_UP else x_ptr.dtype.element_ty
+    H_DTYPE: tl.constexpr = x_ptr.dtype.element_ty if S_MODE > 0 else w_ptr.dtype.element_ty
     K_MASK: tl.constexpr = (K % BLOCK_K != 0) or (K_PER_SPLIT % BLOCK_K != 0)
     N_CHUNKS: tl.constexpr = K_PER_SPLIT // BLOCK_K  # the last split may run a few empty (fully masked) chunks
     pid_n = tl.program_id(0)
@@ -771,7 +811,7 @@ def linear_kernel(
 
     if SPLIT_K == 1:
         _epilogue(acc, acc_up, out_ptr, res_ptr, offs_m, offs_n, M, N_OUT, stride_om, stride_rm, limit,
-                  Y_DTYPE, HAS_RES, SWIGLU, HAS_LIMIT, INTERPRET)
+                  Y_DTYPE, HAS_RES, SWIGLU, HAS_LIMIT, INTERPRET, ROW_UP, up_ptr)
     else:
         # part [SPLIT_K, M, N_ROWS] fp32, N_ROWS = N_OUT (2 * N_OUT for SwiGLU, up partials at N_OUT + n).
         n_rows = N_OUT * 2 if SWIGLU else N_OUT
@@ -791,7 +831,7 @@ def linear_kernel(
                     acc_up += tl.load(part + sp * M * n_rows + N_OUT, mask=pm, other=0.0, cache_modifier=".cg")
             tl.store(count_ptr + pid_n, 0)
             _epilogue(acc, acc_up, out_ptr, res_ptr, offs_m, offs_n, M, N_OUT, stride_om, stride_rm, limit,
-                      Y_DTYPE, HAS_RES, SWIGLU, HAS_LIMIT, INTERPRET)
+                      Y_DTYPE, HAS_RES, SWIGLU, HAS_LIMIT, INTERPRET, ROW_UP, up_ptr)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None,
@@ -849,6 +889,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | N
     """One launch of ``linear_kernel`` (``launch_plan``'s)."""
     plan = launch_plan(x, weight, norm_weight, eps, residual, swiglu, limit, config, use_pdl, scale, row_block,
                        act_fp8)
+    if plan.pre is not None:
+        grid, args, kwargs = plan.pre
+        rows_f16_kernel[grid](*args, **kwargs)
     linear_kernel[plan.grid](*plan.args, **plan.kwargs)
     return plan.out.reshape(*x.shape[:-1], plan.out.shape[-1])
 
@@ -863,6 +906,7 @@ class LaunchPlan:
     args: tuple
     kwargs: dict
     out: torch.Tensor
+    pre: tuple | None = None  # ``pre`` configs: (grid, args, kwargs) of rows_f16_kernel, launched first
 
 
 def launch_plan(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
@@ -927,11 +971,21 @@ def launch_plan(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor
     if w_desc is not None:
         prefetch = 0
     extra = {"launch_pdl": True} if pdl else {}
-    dot_f16 = bool(fp8 and cfg.f16 and form == SWAP and x.dtype != torch.float32 and not act_fp8)
+    rows = bool(fp8 and cfg.pre and form == SWAP and x.dtype in (torch.bfloat16, torch.float16) and not act_fp8)
+    dot_f16 = bool(fp8 and cfg.f16 and form == SWAP and x.dtype != torch.float32 and not act_fp8 and not rows)
     fold = bool(dot_f16 and cfg.fold and s_mode == S_SCALAR)
+    pre, up = None, out
+    if rows:  # the prologue once (rows_f16_kernel), then the GEMM on its fp16 rows with no prologue of its own
+        h16 = torch.empty((m, k), dtype=torch.float16, device=x.device)
+        up = torch.empty((m,), dtype=torch.float32, device=x.device)
+        block = _pow2_at_least(k)
+        pre = ((m,), (x2, x2 if norm_weight is None else norm_weight, h16, up, x2.stride(0), float(eps)),
+               dict(K=k, BLOCK=block, HAS_NORM=norm_weight is not None, USE_PDL=pdl,
+                    INTERPRET=env.triton_interpret(), num_warps=8 if block > 2048 else 4, **extra))
+        x2, norm_weight = h16, None
     args = (
         x2, weight, w_desc, out if scale is None else scale, out if row_block is None else row_block,
-        x2 if norm_weight is None else norm_weight, res2, out, part, counters,
+        x2 if norm_weight is None else norm_weight, res2, out, part, counters, up,
         m, n_out,
         x2.stride(0), weight.stride(0), 0 if scale is None else scale.stride(0), res2.stride(0), out.stride(0),
         float(eps), float(limit),
@@ -947,9 +1001,10 @@ def launch_plan(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         INTERPRET=env.triton_interpret(), ACT_FP8=act_fp8, W_TMA=w_desc is not None, FOLD=fold,
         NS_P2=_pow2_at_least(triton.cdiv(k_per_split, SB) + 1) if fold else 1,
+        ROW_UP=rows, ROW_DTYPE=(tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16) if rows else None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
-    return LaunchPlan((n_blocks, split_k), args, kwargs, out)
+    return LaunchPlan((n_blocks, split_k), args, kwargs, out, pre)
 
 
 def linear_fwd(x: torch.Tensor, weight: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
