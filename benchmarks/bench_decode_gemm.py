@@ -293,9 +293,9 @@ def cfg_name(c) -> str:
         return "default"
     form = ("prow" if c.per_row else "gemv") if not c.dot else "swap" if c.swap else "dot"
     extra = (f"-st{c.num_stages}" if c.swap or (c.dot and c.num_stages > 1) else "") + ("-f16" if c.f16 else "") \
-        + ("-fold" if getattr(c, "fold", False) else "") \
+        + ("-fold" if c.fold else "") \
         + ("-bits" if c.bits else "") + (f"-pf{c.prefetch}" if c.prefetch else "") + ("-tma" if c.tma else "") \
-        + ("-pre" if getattr(c, "pre", False) else "")
+        + ("-pre" if c.pre else "")
     return f"{form}-{c.block_n}x{c.block_k}-s{c.split_k}-w{c.num_warps}{extra}"
 
 

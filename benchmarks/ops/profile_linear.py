@@ -32,13 +32,21 @@ def parse_config(name: str):
                         tma="tma" in flags, per_row=form == "prow", pre="pre" in flags)
 
 
+def parse_spec(spec: str):
+    """SHAPE:DTYPE:M[:CONFIG] -> (bench_decode_gemm Shape, dtype, M, LinearConfig or None); a clear exit else."""
+    parts = spec.split(":")
+    if len(parts) not in (3, 4) or parts[0] not in SHAPE_BY_NAME or parts[1] not in ("bf16", "fp8", "w8a8") \
+            or not parts[2].isdigit():
+        raise SystemExit(f"not a spec: {spec!r} (SHAPE:DTYPE:M[:CONFIG], DTYPE bf16 | fp8 | w8a8; shapes: "
+                         f"{', '.join(SHAPE_BY_NAME)})")
+    return SHAPE_BY_NAME[parts[0]], parts[1], int(parts[2]), parse_config(parts[3]) if len(parts) == 4 else None
+
+
 def call(spec: str) -> None:
     from baton.ops.fp8_linear import triton as ft
     from baton.ops.linear import triton as lt
 
-    parts = spec.split(":")
-    shape, dtype, m = SHAPE_BY_NAME[parts[0]], parts[1], int(parts[2])
-    cfg = parse_config(parts[3]) if len(parts) > 3 else None
+    shape, dtype, m, cfg = parse_spec(spec)
     fp8 = dtype in ("fp8", "w8a8")
     w = make_weights(shape, "cuda", fp8, copies=False)
     inp = make_inputs(shape, m, "cuda", 7)

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from benchmarks.bench_decode_gemm import EPS, SHAPE_BY_NAME, cfg_name, make_inputs, make_weights
-from benchmarks.ops.profile_linear import parse_config
+from benchmarks.bench_decode_gemm import EPS, cfg_name, make_inputs, make_weights
+from benchmarks.ops.profile_linear import parse_spec
 
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv",
          torch.int32: "i32", torch.int64: "i64"}
@@ -156,14 +156,9 @@ def opcode_histogram(instrs: list[tuple[int, str]], lo: int, hi: int) -> collect
 def analyse(spec: str, table: str | None = None, arch: int = 90, dump: str | None = None) -> Report:
     from baton.ops.linear import triton as lt
 
-    parts = spec.split(":")
-    if len(parts) not in (3, 4) or parts[0] not in SHAPE_BY_NAME or parts[1] not in ("bf16", "fp8", "w8a8"):
-        raise SystemExit(f"not a spec: {spec!r} (SHAPE:DTYPE:M[:CONFIG], DTYPE bf16 | fp8 | w8a8; shapes: "
-                         f"{', '.join(SHAPE_BY_NAME)})")
-    shape, dtype, m = SHAPE_BY_NAME[parts[0]], parts[1], int(parts[2])
+    shape, dtype, m, cfg = parse_spec(spec)
     fp8, act8 = dtype in ("fp8", "w8a8"), dtype == "w8a8"
-    cfg = parse_config(parts[3]) if len(parts) == 4 else lt.pick_config(m, shape.n_out, shape.k, shape.swiglu, fp8,
-                                                                         act8, device_name=table)
+    cfg = cfg or lt.pick_config(m, shape.n_out, shape.k, shape.swiglu, fp8, act8, device_name=table)
     if cfg.cublas:
         raise SystemExit(f"{spec}: the table says cuBLAS for this shape and bucket (no Triton kernel)")
     if cfg.tma:
