@@ -16,11 +16,16 @@ torch alignment), ``default`` (the same numerics with the one-program alignment)
 GPU's ``fp8_w8a8`` tiles, or the sweep's best), and the alignment alone (``align-triton`` / ``align-torch``).
 ``--sweep`` tries w8a8 up tiles then down tiles (coordinate descent) per T; ``--write-table`` writes the winners as
 kind ``fp8_w8a8`` into this GPU's MoE table (T = 1 for T <= 2, T = 6 for T <= 8, T = 17 for every larger T).
+
+``--act f16``: the same kernels with fp16 activations (``mode="f16"``, w8a16 numerics on the fp16 MMA) against the
+direct fp8 kernels (``before``, forced: the table may already prefer f16); the sweep's winners are written as kind
+``fp8_f16``, each with ``preferred`` = whether it beat the direct kernels at its T (what the default then takes).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -70,7 +75,8 @@ def _fp8_layer(dev: torch.device, gen: torch.Generator):
     return w13, s13, w2, s2
 
 
-def bench(tokens: Sequence[int], layers: int, cycles: int, sweep: bool, log: Callable[[dict], None]) -> list[dict]:
+def bench(tokens: Sequence[int], layers: int, cycles: int, sweep: bool, log: Callable[[dict], None],
+          act: str = "e4m3") -> list[dict]:
     import baton.ops.moe.triton as mt
     from baton.ops.moe.table import MoEConfig, MoETile
 
@@ -110,29 +116,41 @@ def bench(tokens: Sequence[int], layers: int, cycles: int, sweep: bool, log: Cal
             return us
 
         old_align = "torch" if num_tokens * TOPK > 128 else None
-        run("before", {"note": "default fp8 path, torch alignment past 128 pairs" if old_align else "default"},
-            align=old_align)
+        direct = {"mode": "direct"} if num_tokens * TOPK <= mt.FP8_DIRECT_MAX_PAIRS else {}
+        before_us = run("before", {"note": "default fp8 path, torch alignment past 128 pairs" if old_align
+                                   else "the direct fp8 kernels"}, align=old_align, **direct)
         if old_align:
             run("default", {"note": "default fp8 numerics, one-program alignment"})
-        base = mt.get_config(num_tokens, "fp8_w8a8")
-        run("w8a8", {"config": repr(base)}, act_fp8=True)
-        best_us, best = float("inf"), base
+        name, kind = ("f16", "fp8_f16") if act == "f16" else ("w8a8", "fp8_w8a8")
+        form = {"mode": "f16"} if act == "f16" else {"act_fp8": True}
+        base = mt.get_config(num_tokens, kind)
+        best_us = run(name, {"config": repr(base)}, config=base, **form)
+        best = base
         if sweep:
             ups, downs = SWEEP.get(num_tokens, SWEEP[17])
             cur = base
             for bn, w, st, *split in ups:
                 cfg = MoEConfig(up=MoETile(bn, 128, w, st, *split), down=cur.down, block_m=16)
-                us = run("w8a8-sweep", {"config": repr(cfg)}, act_fp8=True, config=cfg)
+                us = run(f"{name}-sweep", {"config": repr(cfg)}, config=cfg, **form)
                 if us < best_us:
                     best_us, best = us, cfg
             cur = best
             for bn, w, st in downs:
                 cfg = MoEConfig(up=cur.up, down=MoETile(bn, 128, w, st), block_m=16)
-                us = run("w8a8-sweep", {"config": repr(cfg)}, act_fp8=True, config=cfg)
+                us = run(f"{name}-sweep", {"config": repr(cfg)}, config=cfg, **form)
                 if us < best_us:
                     best_us, best = us, cfg
-            run("w8a8-best", {"config": repr(best)}, act_fp8=True, config=best)
-            winners.append({"tokens": num_tokens, "config": best, "us": round(best_us, 2)})
+            best = dataclasses.replace(best, preferred=act != "f16" or best_us < before_us)
+            run(f"{name}-best", {"config": repr(best), "before_us": round(before_us, 2)}, config=best, **form)
+            winners.append({"tokens": num_tokens, "config": best, "us": round(best_us, 2), "kind": kind})
+        if act == "f16":  # the fp16 form against the direct kernels' numerics on one call's inputs
+            w13, s13, w2, s2 = sets[0]
+            ref = mt.fused_experts_decode(xs[0], w13, w2, ids[0], tw[0], 7.0, w13_scale=s13, w2_scale=s2,
+                                          **direct).float()
+            got = mt.fused_experts_decode(xs[0], w13, w2, ids[0], tw[0], 7.0, w13_scale=s13, w2_scale=s2,
+                                          config=best, **form).float()
+            log({"tokens": num_tokens, "method": "f16-error", "rel_vs_direct": ((got - ref).norm() / ref.norm()).item()})
+            return
         # the L2 prefetches (off by default) on: the down kernel's, then both; then where the w8a8 time goes: the
         # up kernel alone (down and combine skipped), up + down (combine skipped): the differences are the later
         # stages' share
@@ -180,7 +198,7 @@ def write_winners(winners: list[dict], path: str) -> str:
     rows = []
     for w in winners:
         for key in keys.get(w["tokens"], []):
-            rows.append({"kind": "fp8_w8a8", "max_tokens": key, "config": w["config"], "us": w["us"],
+            rows.append({"kind": w["kind"], "max_tokens": key, "config": w["config"], "us": w["us"],
                          "tuned_at_tokens": w["tokens"]})
     return table.write_table(rows, torch.cuda.get_device_name(), path)
 
@@ -193,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--write-table", nargs="?", const="default", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--act", choices=("e4m3", "f16"), default="e4m3",
+                    help="the tensor-core form timed and swept: e4m3 (w8a8) or f16 (w8a16 on the fp16 MMA)")
     args = ap.parse_args(argv)
     fh = open(args.json, "a") if args.json else None
 
@@ -202,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
 
-    winners = bench(args.tokens, args.layers, args.cycles, args.sweep, log)
+    winners = bench(args.tokens, args.layers, args.cycles, args.sweep, log, args.act)
     if args.write_table and winners:
         print("table:", write_winners(winners, args.write_table), flush=True)
 

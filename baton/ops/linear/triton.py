@@ -71,7 +71,7 @@ import triton
 import triton.language as tl
 
 from baton import env
-from baton.ops.quant.triton import quant_e4m3_rows
+from baton.ops.quant.triton import fp16_range, quant_e4m3_rows
 
 __all__ = [
     "LaunchPlan",
@@ -349,18 +349,6 @@ def _row_rstd(x_ptr, offs_m, m_mask, stride_xm, K: tl.constexpr, eps, BLOCK_M: t
 
 
 @triton.jit
-def _fp16_range(amax):
-    """(down, up): the powers of two 2^-e and 2^e that bring ``amax`` into [2^14, 2^15), fp16's top binade but one
-    (e clamped to +-100, so a zero ``amax`` gets 2^100 and 2^-100: its row is zeros either way). The fp16 MMA paths
-    scale rows by ``down`` and results by ``up``."""
-    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141
-    e = tl.minimum(tl.maximum(e, -100), 100)
-    down = ((127 - e) << 23).to(tl.float32, bitcast=True)
-    up = ((127 + e) << 23).to(tl.float32, bitcast=True)
-    return down, up
-
-
-@triton.jit
 def _fold_scales(nw_ptr, s_base, amax, k_lo, k_hi, rstd, K_PER_SPLIT: tl.constexpr, STATS_BK: tl.constexpr,
                  SB: tl.constexpr, NS_P2: tl.constexpr, HAS_NORM: tl.constexpr):
     """FOLD: (down, up) [BLOCK_M], powers of two per row such that |prologue(x) x block scale| x down < 2^15 over
@@ -377,7 +365,7 @@ def _fold_scales(nw_ptr, s_base, amax, k_lo, k_hi, rstd, K_PER_SPLIT: tl.constex
         bound = bound * rstd * wmax
     cols = k_lo // SB + tl.arange(0, NS_P2)
     sc = tl.load(s_base + cols, mask=cols * SB < k_hi, other=0.0)
-    return _fp16_range(bound * tl.max(tl.abs(sc), axis=0))
+    return fp16_range(bound * tl.max(tl.abs(sc), axis=0))
 
 
 @triton.jit
@@ -517,7 +505,7 @@ def _mac(acc, h, w, s, FORM: tl.constexpr, S_MODE: tl.constexpr, DOT_F16: tl.con
             if DOT_F16:
                 # each row of the chunk times 2^-e into [2^14, 2^15) at its largest: exact in fp16
                 hf = h.to(tl.float32)
-                down, up = _fp16_range(tl.max(tl.abs(hf), axis=1))  # [BLOCK_M]
+                down, up = fp16_range(tl.max(tl.abs(hf), axis=1))  # [BLOCK_M]
                 hs = (hf * down[:, None]).to(tl.float16)
                 if INTERPRET:
                     part = tl.dot(w.to(tl.float32), tl.trans(hs.to(tl.float32)), input_precision="ieee")
@@ -631,7 +619,7 @@ def rows_f16_kernel(x_ptr, nw_ptr, h_ptr, up_ptr, stride_xm, eps, K: tl.constexp
         nw = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = _round(h * rstd, x.dtype, INTERPRET)
         h = _round(y * nw, x.dtype, INTERPRET)
-    down, up = _fp16_range(tl.max(tl.abs(h), axis=0))
+    down, up = fp16_range(tl.max(tl.abs(h), axis=0))
     tl.store(h_ptr + row * K + offs, (h * down).to(tl.float16), mask=mask)
     tl.store(up_ptr + row, up)
 

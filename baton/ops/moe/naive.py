@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from baton.ops.linear.naive import swiglu
-from baton.ops.quant.fp8 import ACT_GROUP, quantize_act_e4m3
+from baton.ops.quant.fp8 import ACT_GROUP, quantize_act_e4m3, scale_act_f16
 
 
 def grouped_topk(scores: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, n_group: int,
@@ -75,8 +75,11 @@ def fused_experts_dense_gather(x: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# w8a8: fp8 experts x fp8 activations (``moe_experts(..., act_fp8=True)``)
+# fp8 experts on tensor cores: w8a8 (fp8 activations, ``moe_experts(..., act_fp8=True)``) and the fp16 MMA (fp16
+# activations, w8a16 numerics to fp16's 11 bits): the same per-group arithmetic, two activation scalings
 # --------------------------------------------------------------------------------------------------------------------
+
+_ACT_SCALING = {"e4m3": quantize_act_e4m3, "f16": scale_act_f16}
 
 def _w8a8_matvec(q: torch.Tensor, qs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, row_block: torch.Tensor,
                  group: int = ACT_GROUP) -> torch.Tensor:
@@ -95,36 +98,38 @@ def _w8a8_matvec(q: torch.Tensor, qs: torch.Tensor, w: torch.Tensor, ws: torch.T
 
 
 def _w8a8_pairs(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor, w2_scale: torch.Tensor,
-                swiglu_limit: float) -> torch.Tensor:
+                swiglu_limit: float, act: str = "e4m3") -> torch.Tensor:
     """One expert per row: x [P, d]; w13 [P, 2I, d] fp8 + scale [P, 2*ceil(I/128), ceil(d/128)] (gate blocks, then
-    up blocks); w2 [P, d, I] fp8 + scale. Returns expert(x) [P, d] fp32 with both activations quantised to e4m3."""
+    up blocks); w2 [P, d, I] fp8 + scale. Returns expert(x) [P, d] fp32 with both activations scaled per (row, 128
+    group) by ``act``: "e4m3" (``quantize_act_e4m3``) or "f16" (``scale_act_f16``)."""
+    scaling = _ACT_SCALING[act]
     inter = w13.shape[1] // 2
     dev = x.device
     gate_blocks = (inter + ACT_GROUP - 1) // ACT_GROUP
     rows = torch.arange(inter, device=dev) // ACT_GROUP
     row_block13 = torch.cat([rows, rows + gate_blocks])
-    q, qs = quantize_act_e4m3(x)
+    q, qs = scaling(x)
     gate_up = _w8a8_matvec(q, qs, w13, w13_scale, row_block13)  # [P, 2I]
-    act = swiglu(gate_up, swiglu_limit)  # [P, I] fp32
-    qa, qas = quantize_act_e4m3(act)
+    h = swiglu(gate_up, swiglu_limit)  # [P, I] fp32
+    qa, qas = scaling(h)
     return _w8a8_matvec(qa, qas, w2, w2_scale, torch.arange(w2.shape[1], device=dev) // ACT_GROUP)
 
 
 def fused_experts_w8a8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                        w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                       swiglu_limit: float = 0.0, *, capturing: bool = False) -> torch.Tensor:
+                       swiglu_limit: float = 0.0, *, capturing: bool = False, act: str = "e4m3") -> torch.Tensor:
     """The w8a8 routed experts: x and each pair's SwiGLU output quantised to e4m3 per (row, 128-K group) with
     power-of-two scales (``quantize_act_e4m3``), fp8 x fp8 products summed per group in fp32 and scaled by
     weight block scale x activation group scale. Returns sum_k w_k * expert_k(x) [T, d] fp32 (ids -1 skipped).
     ``capturing``: no host sync (one gather per top-k slot, as ``fused_experts_dense_gather``; an id of -1 gathers
-    expert 0 and adds exactly zero)."""
+    expert 0 and adds exactly zero). ``act="f16"``: the same with fp16 activations (``fused_experts_fp8_f16``)."""
     num_tokens, hidden = x.shape
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
     if capturing:
         for j in range(topk_ids.shape[1]):
             routed = topk_ids[:, j : j + 1] >= 0
             ids = topk_ids[:, j].long().clamp_min(0)
-            y = _w8a8_pairs(x, w13[ids], w13_scale[ids], w2[ids], w2_scale[ids], swiglu_limit)
+            y = _w8a8_pairs(x, w13[ids], w13_scale[ids], w2[ids], w2_scale[ids], swiglu_limit, act)
             out += torch.where(routed, y * topk_weights[:, j : j + 1].float(), 0.0)
         return out
     flat_ids = topk_ids.reshape(-1)
@@ -137,6 +142,17 @@ def fused_experts_w8a8(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tens
         toks = token_idx[sel]
         n = toks.numel()
         y = _w8a8_pairs(x[toks], w13[e].expand(n, -1, -1), w13_scale[e].expand(n, -1, -1), w2[e].expand(n, -1, -1),
-                        w2_scale[e].expand(n, -1, -1), swiglu_limit)
+                        w2_scale[e].expand(n, -1, -1), swiglu_limit, act)
         out.index_add_(0, toks, y * weights[sel, None])
     return out
+
+
+def fused_experts_fp8_f16(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                          w2_scale: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                          swiglu_limit: float = 0.0, *, capturing: bool = False) -> torch.Tensor:
+    """The fp8 experts' fp16-MMA form (w8a16 numerics; the Triton kernels' ``act="f16"``): x and each pair's SwiGLU
+    output scaled per (row, 128-K group) by a power of two into fp16's range and rounded to fp16
+    (``scale_act_f16``: exact for bf16 x, 11 bits for the fp32 SwiGLU output), products of the e4m3 weights (exact
+    in fp16) summed per group in fp32 and scaled by weight block scale x the group's power of two."""
+    return fused_experts_w8a8(x, w13, w13_scale, w2, w2_scale, topk_ids, topk_weights, swiglu_limit,
+                              capturing=capturing, act="f16")

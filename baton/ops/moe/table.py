@@ -3,8 +3,11 @@
 A table maps a kind to entries keyed by the largest token count T each serves (the first key >= T wins; past the
 last key the last entry). Kinds: ``direct`` (the per-pair / per-token kernels, bf16), ``aligned`` (the
 expert-grouped kernels, also hybrid's up-projection), ``fp8`` (direct over fp8 experts), ``fp8_aligned``
-(aligned over fp8 experts: prefill) and ``fp8_w8a8`` (fp8 experts x e4m3 activations, ``act_fp8=True``:
-BLOCK_K is 128, the activation group; ``block_m`` the aligned row block). The current GPU's table is
+(aligned over fp8 experts: prefill), ``fp8_w8a8`` (fp8 experts x e4m3 activations, ``act_fp8=True``:
+BLOCK_K is 128, the activation group; ``block_m`` the aligned row block) and ``fp8_f16`` (the same kernels with
+fp16 activations: w8a16 on the fp16 MMA, ``mode="f16"``). ``fp8_f16`` competes with ``fp8``'s direct kernels for the
+same calls: an entry's ``preferred`` says which the default takes at its T (the sweep's verdict; without a tuned
+entry, the direct kernels). The current GPU's table is
 ``tuned/<gpu name>.json`` (the same naming as the linear kernels' tables, baton/ops/linear/tuned/), written by the
 tile sweeps ``python -m benchmarks.ops.bench_moe --sweep --write-table`` and (kind ``fp8_w8a8``)
 ``python -m benchmarks.ops.bench_moe_w8a8 --sweep --write-table``. A GPU without a table, a kind its table lacks, and
@@ -49,9 +52,10 @@ class MoEConfig:
     down: MoETile  # w2 [E, d, I]: N over d, K over I
     block_m: int = 16  # aligned mode: rows (same-expert pairs) per program; >= 16 for tl.dot
     combine: MoETile = MoETile(256, 1, 4, 1)  # aligned mode: combine kernel (block_n only)
+    preferred: bool = True  # fp8_f16: the default for fp8 experts at these T (else the direct kernels)
 
 
-KINDS = ("direct", "aligned", "fp8", "fp8_aligned", "fp8_w8a8")
+KINDS = ("direct", "aligned", "fp8", "fp8_aligned", "fp8_w8a8", "fp8_f16")
 ANY_T = 1 << 30  # the key of an entry that serves every larger T (null in a table file)
 
 # Valid everywhere: fp8 tiles have BLOCK_N and BLOCK_K dividing the 128 x 128 scale blocks; the aligned prefill
@@ -64,6 +68,9 @@ FALLBACK: dict[str, dict[int, MoEConfig]] = {
     "fp8_aligned": {ANY_T: MoEConfig(up=MoETile(64, 64, 4, 3), down=MoETile(64, 64, 4, 3), block_m=64)},
     # w8a8 (fp8 experts x e4m3 activations, act_fp8=True): BLOCK_K is the 128-column group, BLOCK_N divides 128
     "fp8_w8a8": {ANY_T: MoEConfig(up=MoETile(64, 128, 4, 4), down=MoETile(64, 128, 4, 4), block_m=16)},
+    # w8a16 on the fp16 MMA: the w8a8 kernels' tiles; not the default without a tuned entry that prefers it
+    "fp8_f16": {ANY_T: MoEConfig(up=MoETile(64, 128, 4, 4), down=MoETile(64, 128, 4, 4), block_m=16,
+                                 preferred=False)},
 }
 TUNED_DIR = Path(__file__).with_name("tuned")
 
@@ -75,7 +82,8 @@ def table_path(device_name: str) -> Path:
 
 def _config(e: dict) -> MoEConfig:
     extra = {"combine": MoETile(**e["combine"])} if "combine" in e else {}
-    return MoEConfig(up=MoETile(**e["up"]), down=MoETile(**e["down"]), block_m=int(e.get("block_m", 16)), **extra)
+    return MoEConfig(up=MoETile(**e["up"]), down=MoETile(**e["down"]), block_m=int(e.get("block_m", 16)),
+                     preferred=bool(e.get("preferred", True)), **extra)
 
 
 def read_table(path: str | os.PathLike) -> dict[str, dict[int, MoEConfig]]:
@@ -96,6 +104,8 @@ def _entry(kind: str, max_tokens: int, cfg: MoEConfig, extra: dict | None = None
     for tile in tiles.values():  # split_k only where it is used
         if isinstance(tile, dict) and tile.get("split_k") == 1:
             del tile["split_k"]
+    if tiles["preferred"]:  # written only where it says no
+        del tiles["preferred"]
     return {"kind": kind, "max_tokens": None if max_tokens >= ANY_T else max_tokens, **tiles, **(extra or {})}
 
 

@@ -76,7 +76,7 @@ import triton.language as tl
 from baton import env
 from baton.ops.moe import table
 from baton.ops.moe.table import MoEConfig, MoETile
-from baton.ops.quant.triton import quant_e4m3_rows
+from baton.ops.quant.triton import f16_rows, quant_e4m3_rows
 
 # Up to this many (token, expert) pairs (T * k: 32 tokens of top-8) the alignment is one program
 # (``moe_align_kernel``); more (prefill) are aligned with torch sort / scatter ops on the device.
@@ -723,6 +723,24 @@ def _prefetch_l2_rows(row_ptrs, ROW_BYTES: tl.constexpr, BL: tl.constexpr):
 
 
 @triton.jit
+def _mma_operands(v, w, FP8_DOT: tl.constexpr, ACT_F16: tl.constexpr):
+    """(activation operand [R, 128], its per-row scales [R], weight operand) of one 128-K group: v fp32 rows
+    quantised to e4m3 (w8a8, w the e4m3 tile as loaded) or, ACT_F16, scaled into fp16 (w widened to fp16, exact).
+    FP8_DOT false (the interpreter, whose dot on fp8 bits is not the e4m3 product): both operands' values in fp32."""
+    if ACT_F16:
+        q, s = f16_rows(v, FP8_DOT)
+        if FP8_DOT:
+            w = w.to(tl.float16)
+        else:
+            w = w.to(tl.float32)
+    else:
+        q, s = quant_e4m3_rows(v, FP8_DOT)
+        if not FP8_DOT:
+            w = w.to(tl.float32)
+    return q, s, w
+
+
+@triton.jit
 def moe_up_w8a8_kernel(
     x_ptr, w13_ptr, s_ptr, ids_ptr, sorted_pairs_ptr, block_expert_ptr, block_start_ptr, block_count_ptr,
     num_blocks_ptr, act_ptr,  # x [T, HIDDEN], w13 [E, 2I, HIDDEN] e4m3, s [E, 2*ceil(I/SB), ceil(HIDDEN/SB)]
@@ -730,11 +748,13 @@ def moe_up_w8a8_kernel(
     limit, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr,
     DIRECT: tl.constexpr, FP8_DOT: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_PDL: tl.constexpr,
     SB: tl.constexpr = 128, SPLIT_K: tl.constexpr = 1, stride_as=0, num_experts=1,
-    PREFETCH_GROUPS: tl.constexpr = 0,
+    PREFETCH_GROUPS: tl.constexpr = 0, ACT_F16: tl.constexpr = False,
 ):
     """Swap-AB: acc [2 * BLOCK_N (gate rows, then up rows), BLOCK_M (pairs)] += (w13 tile [2 * BLOCK_N, SB] e4m3)
     @ (x rows quantised per 128-K group to e4m3)^T, scaled by (weight block scale x the rows' group scales) once per
-    group; SwiGLU in the epilogue (SPLIT_K > 1: the partial sums instead)."""
+    group; SwiGLU in the epilogue (SPLIT_K > 1: the partial sums instead). ACT_F16 (w8a16): the rows scaled into
+    fp16 per group instead (``f16_rows``) and the weight tile widened to fp16 (one packed cvt per two weights), an
+    fp16 x fp16 MMA (FP8_DOT false, the interpreter: both in fp32)."""
     pid = tl.program_id(0)
     pid_n = pid // SPLIT_K
     ks = pid - pid_n * SPLIT_K
@@ -785,9 +805,7 @@ def moe_up_w8a8_kernel(
         mk = (k0 + offs_k) < HIDDEN
         w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mk[None, :], other=0.0)
         xv = tl.load(x_ptrs + k0, mask=mr[:, None] & mk[None, :], other=0.0).to(tl.float32)
-        xq, xs = quant_e4m3_rows(xv, FP8_DOT)
-        if not FP8_DOT:  # the interpreter: fp32 operands (its dot on fp8 bits is not the e4m3 product)
-            w = w.to(tl.float32)
+        xq, xs, w = _mma_operands(xv, w, FP8_DOT, ACT_F16)
         ws = tl.where(is_up, tl.load(su_ptr + k0 // SB), tl.load(sg_ptr + k0 // SB))  # [2 * BLOCK_N]
         acc += tl.dot(w, tl.trans(xq)) * (ws[:, None] * xs[None, :])
     acc_g, acc_u = tl.split(tl.permute(tl.reshape(acc, (2, BLOCK_N, BLOCK_M)), (1, 2, 0)))
@@ -811,7 +829,11 @@ def moe_down_w8a8_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_STAGES: tl.constexpr, DIRECT: tl.constexpr,
     FP8_DOT: tl.constexpr, USE_PDL: tl.constexpr, SB: tl.constexpr = 128, PREFETCH: tl.constexpr = False,
     PF_LINES: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1, stride_as=0, limit=0.0, HAS_LIMIT: tl.constexpr = False,
+    ACT_F16: tl.constexpr = False,
 ):
+    """Swap-AB: acc [BLOCK_N, BLOCK_M (pairs)] += (w2 tile [BLOCK_N, SB] e4m3) @ (the pairs' SwiGLU rows scaled per
+    128-K group: e4m3, or fp16 with ACT_F16, as the up kernel)^T x (block scale x group scales); y = acc x the
+    routing weight."""
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
     # Work list and routing weights: two or more launches back (the module docstring).
@@ -849,9 +871,7 @@ def moe_down_w8a8_kernel(
                 g += tl.load(a_ptrs + sp * stride_as + k0, mask=ma, other=0.0)
                 u += tl.load(a_ptrs + sp * stride_as + INTER + k0, mask=ma, other=0.0)
             av = _swiglu(g, u, limit, HAS_LIMIT)
-        aq, as_ = quant_e4m3_rows(av, FP8_DOT)
-        if not FP8_DOT:  # the interpreter: fp32 operands (its dot on fp8 bits is not the e4m3 product)
-            w = w.to(tl.float32)
+        aq, as_, w = _mma_operands(av, w, FP8_DOT, ACT_F16)
         acc += tl.dot(w, tl.trans(aq)) * (tl.load(s_row + k0 // SB) * as_)[None, :]
     acc = acc * rw[None, :]
     tl.store(y_ptr + pair[None, :] * stride_yp + offs_n[:, None], acc, mask=mask_n[:, None] & mr[None, :])
@@ -886,9 +906,14 @@ def _w8a8_tile_check(tile: MoETile) -> None:
 def fused_experts_w8a8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                        topk_weights: torch.Tensor, swiglu_limit: float, residual: torch.Tensor | None,
                        shared_out: torch.Tensor | None, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
-                       out: torch.Tensor, cfg: MoEConfig, pdl: bool, align: str | None = None) -> torch.Tensor:
-    """The w8a8 experts (``naive.fused_experts_w8a8``'s arithmetic): up, down, combine; for T*k pairs under
-    ALIGNED_MIN_TOKENS tokens one program column per pair (no alignment launch), else the alignment's blocks."""
+                       out: torch.Tensor, cfg: MoEConfig, pdl: bool, align: str | None = None,
+                       act: str = "e4m3") -> torch.Tensor:
+    """The w8a8 experts (``naive.fused_experts_w8a8``'s arithmetic; ``act="f16"``: ``naive.fused_experts_fp8_f16``'s,
+    fp16 activations): up, down, combine; for T*k pairs under ALIGNED_MIN_TOKENS tokens one program column per pair
+    (no alignment launch), else the alignment's blocks."""
+    if act not in ("e4m3", "f16"):
+        raise ValueError(f"unknown activation scaling {act!r} (e4m3, f16)")
+    act_f16 = act == "f16"
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -921,7 +946,7 @@ def fused_experts_w8a8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
         FP8_DOT=fp8_dot, HAS_LIMIT=swiglu_limit > 0, SB=FP8_BLOCK, SPLIT_K=split, stride_as=stride_as,
         num_experts=num_experts,
         PREFETCH_GROUPS=_up_prefetch_groups(hidden, split) if fp8_dot and not direct and grid_m <= num_pairs else 0,
-        **_launch_kw(pdl, cfg.up.num_warps, cfg.up.num_stages),
+        ACT_F16=act_f16, **_launch_kw(pdl, cfg.up.num_warps, cfg.up.num_stages),
     )
     y = _empty((num_pairs, hidden), torch.float32, x.device)
     moe_down_w8a8_kernel[(triton.cdiv(hidden, cfg.down.block_n), grid_m)](
@@ -930,7 +955,7 @@ def fused_experts_w8a8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
         BLOCK_M=block_m, BLOCK_N=cfg.down.block_n, NUM_STAGES=cfg.down.num_stages, DIRECT=direct, FP8_DOT=fp8_dot,
         SB=FP8_BLOCK, PREFETCH=fp8_dot and W8A8_PREFETCH,
         PF_LINES=triton.next_power_of_2(triton.cdiv(inter, 128)), SPLIT_K=split, stride_as=stride_as,
-        limit=float(swiglu_limit), HAS_LIMIT=swiglu_limit > 0,
+        limit=float(swiglu_limit), HAS_LIMIT=swiglu_limit > 0, ACT_F16=act_f16,
         **_launch_kw(pdl, cfg.down.num_warps, cfg.down.num_stages),
     )
     return moe_combine_fwd(y, flat_ids, top_k, shared_out, residual, out, cfg.combine, pdl)
@@ -1022,8 +1047,10 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     x [T, d]; w13 [E, 2I, d] (gate rows, then up rows); w2 [E, d, I]; topk_ids [T, k] (int32/int64);
     topk_weights [T, k]; residual / shared_out [T, d]. An id of -1 is no expert (``select_experts``' rows past
     ``active_rows``): no program reads weights for it and it adds nothing, so a row of -1s is residual + shared_out.
-    ``mode``: "direct", "aligned" or "hybrid" (default by T, see ``default_mode``); ``align``: "triton" (one program,
-    M <= MAX_ALIGN_PAIRS) or "torch" (default by M). No host synchronisation: safe under CUDA-graph capture.
+    ``mode``: "direct", "aligned" or "hybrid" (default by T, see ``default_mode``), or for fp8 experts "f16" (the
+    w8a8 kernels with fp16 activations: ``naive.fused_experts_fp8_f16``; the default where this GPU's ``fp8_f16``
+    table entry is preferred); ``align``: "triton" (one program, M <= MAX_ALIGN_PAIRS) or "torch" (default by M).
+    No host synchronisation: safe under CUDA-graph capture.
 
     fp8 experts: w13 / w2 in float8_e4m3fn with ``w13_scale`` / ``w2_scale`` 128 x 128 block scale_inv (the Ling fp8
     checkpoint layout, baton.ops.quant): the scales are applied in registers and the sums kept in fp32; direct up to
@@ -1035,18 +1062,21 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     assert w13.stride(-1) == 1 and w2.stride(-1) == 1, "expert weights must be contiguous along their last dim"
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens
     fp8 = w13_scale is not None
-    if act_fp8:  # w8a8: fp8 experts x e4m3 activations (per token, per 128-K group), tiles of kind "fp8_w8a8"
-        assert fp8 and w2_scale is not None, "act_fp8 needs fp8 experts (w13_scale, w2_scale)"
+    if fp8 and mode is None and not act_fp8 and num_tokens * top_k <= FP8_DIRECT_MAX_PAIRS \
+            and get_config(num_tokens, "fp8_f16").preferred:
+        mode = "f16"  # this GPU's table prefers the fp16 MMA to the direct kernels at this T
+    if act_fp8 or mode == "f16":  # tensor-core fp8 experts: e4m3 (w8a8) or fp16 (w8a16) activations per 128-K group
+        assert fp8 and w2_scale is not None, "act_fp8 and mode 'f16' need fp8 experts (w13_scale, w2_scale)"
         if out is None:
             out = _empty((num_tokens, hidden), x.dtype, x.device)
         if num_tokens == 0:
             return out
-        cfg = config if config is not None else get_config(num_tokens, "fp8_w8a8")
+        cfg = config if config is not None else get_config(num_tokens, "fp8_w8a8" if act_fp8 else "fp8_f16")
         return fused_experts_w8a8(
             x.contiguous(), w13, w2, topk_ids.contiguous(), topk_weights.contiguous(), swiglu_limit,
             residual.contiguous() if residual is not None else None,
             shared_out.contiguous() if shared_out is not None else None, w13_scale, w2_scale, out, cfg,
-            pdl_enabled(x.device), align)
+            pdl_enabled(x.device), align, act="e4m3" if act_fp8 else "f16")
     if fp8:
         mode = mode or ("direct" if num_tokens * top_k <= FP8_DIRECT_MAX_PAIRS else "aligned")
     else:

@@ -131,3 +131,23 @@ def dequantize_act_e4m3(q: torch.Tensor, scale: torch.Tensor, group: int = ACT_G
     """fp32 [..., K] = q * its group's scale (``quantize_act_e4m3``'s inverse, exact)."""
     k = q.shape[-1]
     return q.float() * scale.repeat_interleave(group, dim=-1)[..., :k]
+
+
+def scale_act_f16(x: torch.Tensor, group: int = ACT_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (q [..., K] float16, scale [..., ceil(K/group)] fp32) with x ~= q * scale per group: the fp16
+    rows of the w8a16 fp16 MMA (fp8 weights widened to fp16, exact). The scale is the power of two ``2^e`` that
+    brings the group's amax (fp32) into [2^14, 2^15), e clamped to +-100 (a zero group: q zeros), from amax's
+    exponent bits, so ``x * 2^-e`` is exact and only the cast to fp16 (round to nearest even) rounds: exact for a
+    bf16 x down to 2^-24 of the group's amax, 11 significant bits for fp32. The Triton kernels
+    (``baton.ops.quant.triton.f16_rows``) compute the same bits."""
+    xf = x.float()
+    k = xf.shape[-1]
+    pad = (-k) % group
+    xp = torch.nn.functional.pad(xf, (0, pad)) if pad else xf
+    g = xp.reshape(*xf.shape[:-1], -1, group)
+    bits = g.abs().amax(-1).contiguous().view(torch.int32)
+    e = (((bits >> 23) & 0xFF) - 141).clamp(-100, 100)
+    scale = ((127 + e) << 23).view(torch.float32)
+    inv = ((127 - e) << 23).view(torch.float32)
+    q = (g * inv[..., None]).to(torch.float16).reshape(*xf.shape[:-1], -1)[..., :k]
+    return q, scale

@@ -1,6 +1,8 @@
-"""The Triton half of the w8a8 activation quantisation (``baton.ops.quant.fp8.quantize_act_e4m3``), shared by the
-dense linear kernel (baton/ops/linear/triton.py) and the MoE kernels (baton/ops/moe/triton.py): the same bits as the
-PyTorch reference on every path. Imported only by those Triton modules."""
+"""The Triton half of the activation scalings for the fp8 weights' tensor-core paths, shared by the dense linear
+kernel (baton/ops/linear/triton.py) and the MoE kernels (baton/ops/moe/triton.py): w8a8's e4m3 quantisation
+(``baton.ops.quant.fp8.quantize_act_e4m3``) and the fp16 rows of the w8a16 fp16 MMA (``fp16_range``, ``f16_rows``:
+``baton.ops.quant.fp8.scale_act_f16``), the same bits as the PyTorch references on every path. Imported only by
+those Triton modules."""
 
 from __future__ import annotations
 
@@ -36,3 +38,27 @@ def e4m3_rne_fp32(v):
     magic = 12582912.0
     sub = ((v * 512.0 + magic) - magic) * (1.0 / 512.0)
     return tl.where(tl.abs(v) < 0.015625, sub, normal)
+
+
+@triton.jit
+def fp16_range(amax):
+    """(down, up): the powers of two 2^-e and 2^e that bring ``amax`` into [2^14, 2^15), fp16's top binade but one
+    (e clamped to +-100, so a zero ``amax`` gets 2^100 and 2^-100: its row is zeros either way). The fp16 MMA paths
+    scale rows by ``down`` and results by ``up``; a bf16 value times ``down`` is exact in fp16 unless it is below
+    2^-24 of ``amax`` (fp16's subnormals)."""
+    e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141
+    e = tl.minimum(tl.maximum(e, -100), 100)
+    down = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    up = ((127 + e) << 23).to(tl.float32, bitcast=True)
+    return down, up
+
+
+@triton.jit
+def f16_rows(v, F16_DOT: tl.constexpr):
+    """v [R, G] fp32 (one group of G columns per row) -> (v * 2^-e rounded to fp16 (F16_DOT; else that value in
+    fp32: the interpreter), 2^e [R]) with e from ``fp16_range`` of each row's amax (``scale_act_f16``)."""
+    down, up = fp16_range(tl.max(tl.abs(v), axis=1))
+    q = (v * down[:, None]).to(tl.float16)
+    if not F16_DOT:
+        q = q.to(tl.float32)
+    return q, up
