@@ -212,14 +212,16 @@ JOBS: list[Job] = [
     Job("moe-f16", "issue 22 item 3: the fp8 experts on the fp16 MMA (mode 'f16': the w8a8 kernels with fp16 "
                    "activations, 3.0 SASS instructions a weight against the direct kernels' 4.7-9.3): its kernel "
                    "tests compiled, then T = 1, 6, 17 against the direct kernels with its tile sweep written into "
-                   "this GPU's MoE table (kind fp8_f16, preferred where it won); run before fp8-pre on the same "
-                   "machine, with the table fetched into the tree in between, so the whole step takes it",
+                   "this GPU's MoE table (kind fp8_f16, preferred where it won), then T = 132 (a cached follow-up's "
+                   "prefill, issue 23) against the aligned fp8 kernels; run before fp8-pre on the same machine, "
+                   "with the table fetched into the tree in between, so the whole step takes it",
         commands=(f"set -o pipefail; {PYTEST} tests/ops/test_moe_f16.py tests/ops/test_moe_w8a8.py "
                   "--junitxml=$R/junit_moe_f16.xml 2>&1 | tee $R/tests_moe_f16.log",
                   "set -o pipefail; python3 -m benchmarks.ops.bench_moe_w8a8 --act f16 --sweep --write-table "
                   "--json $R/moe_f16.jsonl 2>&1 | tee $R/bench_moe_f16.log",
-                  "mkdir -p $R/moe_tables && cp baton/ops/moe/tuned/*.json $R/moe_tables/"),
-        gpus=1, limit_s=280, outputs=("moe_f16.jsonl", "moe_tables", "junit_moe_f16.xml")),
+                  "mkdir -p $R/moe_tables && cp baton/ops/moe/tuned/*.json $R/moe_tables/",
+                  "python3 -m benchmarks.ops.bench_moe_w8a8 --act f16 --tokens 132 --json $R/moe_f16_prefill.jsonl"),
+        gpus=1, limit_s=280, outputs=("moe_f16.jsonl", "moe_f16_prefill.jsonl", "moe_tables", "junit_moe_f16.xml")),
     Job("ncu-linear", "issue 22 item 2: Nsight Compute on the fp8 KDA in-projection at M = 6 (the NEXTN verify): "
                       "this GPU's table config, the fp16 MMA without and with the folded scales, and bf16; "
                       "throughput, warp stalls and the source lines they sit on",
