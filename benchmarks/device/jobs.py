@@ -196,8 +196,8 @@ JOBS: list[Job] = [
     Job("fp8-pre", "issue 22 item 2: w8a16 with the rows' prologue in a kernel of its own (LinearConfig.pre: "
                    "2.2-2.9 SASS instructions a weight against 4.3-8.3, benchmarks/ops/sass_linear.py) and the "
                    "8-warp 128 / 256-row tiles: the kernel tests compiled, the fp8 Ling dense shapes tuned into "
-                   "this GPU's fp8 table, then the whole model's NEXTN step with it (run ling-flash-fp8-dense in "
-                   "the call before, on the same machine, for the step before)",
+                   "this GPU's fp8 table (kept in $TMP/baton-tables for ling-flash-fp8-tuned: the whole step "
+                   "after, in the next call; ling-flash-fp8-dense in an earlier one for the step before)",
         commands=("mkdir -p $R/before $R/tables && for f in baton/ops/fp8_linear/tuned/*.json; do cp $f "
                   "$R/before/fp8-$(basename $f); done",
                   f"set -o pipefail; {PYTEST} -n 12 tests/ops/test_decode_gemm.py -k 'fp8 or pre' "
@@ -206,9 +206,18 @@ JOBS: list[Job] = [
                   "--shapes kda_in_proj o_proj mla_in_proj shared_gate_up shared_down dense_gate_up dense_down "
                   "eh_proj --m 1 6 17 --impls baton cublas --bandwidth measure --budget-s 170 --workers 14 "
                   "--json $R/decode_gemm_pre.json 2>&1 | tee $R/bench_pre.log",
-                  "for f in baton/ops/fp8_linear/tuned/*.json; do cp $f $R/tables/fp8-$(basename $f); done",
+                  "mkdir -p $TMP/baton-tables/fp8 && for f in baton/ops/fp8_linear/tuned/*.json; do "
+                  "cp $f $R/tables/fp8-$(basename $f); cp $f $TMP/baton-tables/fp8/; done"),
+        gpus=1, limit_s=420, outputs=("decode_gemm_*.json", "tables", "before", "junit_*.xml")),
+    Job("ling-flash-fp8-tuned", "ling-flash-fp8-dense with the tables this machine's moe-f16 and fp8-pre wrote "
+                                "(kept in $TMP/baton-tables while it stays warm; the tree's copies otherwise): the "
+                                "step after, for the step before in an earlier call",
+        commands=("if [ -d $TMP/baton-tables/moe ]; then cp $TMP/baton-tables/moe/*.json baton/ops/moe/tuned/; fi",
+                  "if [ -d $TMP/baton-tables/fp8 ]; then cp $TMP/baton-tables/fp8/*.json baton/ops/fp8_linear/tuned/; "
+                  "fi",
+                  "mkdir -p $R/tables && cp baton/ops/moe/tuned/*.json baton/ops/fp8_linear/tuned/*.json $R/tables/",
                   ling(42, "--quantization fp8 --modes nextn --enable-fp8-draft-lm-head")),
-        gpus=1, limit_s=560, outputs=("decode_gemm_*.json", "tables", "before", "junit_*.xml", "ling_flash_*.json")),
+        gpus=1, limit_s=270, outputs=("ling_flash_*.json", "tables")),
     Job("moe-f16", "issue 22 item 3: the fp8 experts on the fp16 MMA (mode 'f16': the w8a8 kernels with fp16 "
                    "activations, 3.0 SASS instructions a weight against the direct kernels' 4.7-9.3): its kernel "
                    "tests compiled, then T = 1, 6, 17 against the direct kernels with its tile sweep written into "
@@ -219,7 +228,8 @@ JOBS: list[Job] = [
                   "--junitxml=$R/junit_moe_f16.xml 2>&1 | tee $R/tests_moe_f16.log",
                   "set -o pipefail; python3 -m benchmarks.ops.bench_moe_w8a8 --act f16 --sweep --write-table "
                   "--json $R/moe_f16.jsonl 2>&1 | tee $R/bench_moe_f16.log",
-                  "mkdir -p $R/moe_tables && cp baton/ops/moe/tuned/*.json $R/moe_tables/",
+                  "mkdir -p $R/moe_tables $TMP/baton-tables/moe && cp baton/ops/moe/tuned/*.json $R/moe_tables/ && "
+                  "cp baton/ops/moe/tuned/*.json $TMP/baton-tables/moe/",
                   "python3 -m benchmarks.ops.bench_moe_w8a8 --act f16 --tokens 132 --json $R/moe_f16_prefill.jsonl"),
         gpus=1, limit_s=280, outputs=("moe_f16.jsonl", "moe_f16_prefill.jsonl", "moe_tables", "junit_moe_f16.xml")),
     Job("ncu-linear", "issue 22 item 2: Nsight Compute on the fp8 KDA in-projection at M = 6 (the NEXTN verify): "

@@ -134,6 +134,11 @@ FP8_BLOCK = 128
 # kernels (kind "fp8_aligned"), the weights widened to the activations' dtype in registers and each tile's product
 # scaled once (BLOCK_N and BLOCK_K divide the 128 x 128 scale blocks).
 FP8_DIRECT_MAX_PAIRS = 128
+# fp8 experts on the fp16 MMA (mode "f16", the w8a8 kernels on fp16 rows) are the default up to this many pairs
+# where this GPU's table prefers them (kind fp8_f16): the largest measured, a 132-token prefill (a cached follow-up
+# turn's shape), 1.46x faster than the aligned fp8 kernels on an H100 (benchmarks/results/h100-2026-12-07-f16).
+# Longer prefills keep the aligned kernels (their 64-row blocks read each expert a quarter as often).
+FP8_F16_MAX_PAIRS = 132 * 8
 
 
 def get_config(num_tokens: int, mode: str) -> MoEConfig:
@@ -1062,7 +1067,7 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     assert w13.stride(-1) == 1 and w2.stride(-1) == 1, "expert weights must be contiguous along their last dim"
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == num_tokens
     fp8 = w13_scale is not None
-    if fp8 and mode is None and not act_fp8 and num_tokens * top_k <= FP8_DIRECT_MAX_PAIRS \
+    if fp8 and mode is None and not act_fp8 and num_tokens * top_k <= FP8_F16_MAX_PAIRS \
             and get_config(num_tokens, "fp8_f16").preferred:
         mode = "f16"  # this GPU's table prefers the fp16 MMA to the direct kernels at this T
     if act_fp8 or mode == "f16":  # tensor-core fp8 experts: e4m3 (w8a8) or fp16 (w8a16) activations per 128-K group
