@@ -20,6 +20,8 @@ kind ``fp8_w8a8`` into this GPU's MoE table (T = 1 for T <= 2, T = 6 for T <= 8,
 ``--act f16``: the same kernels with fp16 activations (``mode="f16"``, w8a16 numerics on the fp16 MMA) against the
 direct fp8 kernels (``before``, forced: the table may already prefer f16); the sweep's winners are written as kind
 ``fp8_f16``, each with ``preferred`` = whether it beat the direct kernels at its T (what the default then takes).
+Both sweeps end with the token-down form (``token_down``: no alignment at any T, the down kernel with the combine
+per token, two launches).
 """
 
 from __future__ import annotations
@@ -50,6 +52,11 @@ SWEEP = {
     17: ([(128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 3), (128, 8, 5)],
          [(128, 8, 3), (128, 8, 4), (128, 4, 4), (128, 8, 5)]),
 }
+
+
+# the token-down form's down tiles (moe_down_token_kernel: program = (N-block, token), so wide tiles halve the
+# per-chunk activation work a weight carries; narrow ones give T = 1 more programs)
+TOKEN_DOWN = [(128, 4, 3), (128, 8, 3), (64, 4, 3), (64, 4, 4)]
 
 
 class _Skip:
@@ -140,6 +147,12 @@ def bench(tokens: Sequence[int], layers: int, cycles: int, sweep: bool, log: Cal
                 us = run(f"{name}-sweep", {"config": repr(cfg)}, config=cfg, **form)
                 if us < best_us:
                     best_us, best = us, cfg
+            # direct at any T with the combine in the down kernel (two launches, no alignment, no per-pair rows)
+            for bn, w, st in TOKEN_DOWN:
+                cfg = MoEConfig(up=best.up, down=MoETile(bn, 128, w, st), block_m=16, token_down=True)
+                us = run(f"{name}-sweep-token-down", {"config": repr(cfg)}, config=cfg, **form)
+                if us < best_us:
+                    best_us, best = us, cfg
             best = dataclasses.replace(best, preferred=act != "f16" or best_us < before_us)
             run(f"{name}-best", {"config": repr(best), "before_us": round(before_us, 2)}, config=best, **form)
             winners.append({"tokens": num_tokens, "config": best, "us": round(best_us, 2), "kind": kind})
@@ -149,7 +162,8 @@ def bench(tokens: Sequence[int], layers: int, cycles: int, sweep: bool, log: Cal
                                           **direct).float()
             got = mt.fused_experts_decode(xs[0], w13, w2, ids[0], tw[0], 7.0, w13_scale=s13, w2_scale=s2,
                                           config=best, **form).float()
-            log({"tokens": num_tokens, "method": "f16-error", "rel_vs_direct": ((got - ref).norm() / ref.norm()).item()})
+            rel = ((got - ref).norm() / ref.norm()).item()
+            log({"tokens": num_tokens, "method": "f16-error", "rel_vs_direct": rel})
             return
         # the L2 prefetches (off by default) on: the down kernel's, then both; then where the w8a8 time goes: the
         # up kernel alone (down and combine skipped), up + down (combine skipped): the differences are the later

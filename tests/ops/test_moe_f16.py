@@ -151,6 +151,9 @@ def test_table_round_trips_preferred(tmp_path):
                              "test gpu", tmp_path / "t.json")
     back = table.read_table(path)["fp8_f16"]
     assert back[1] == cfg and back[8].preferred and not back[1].preferred
+    cfg2 = table.MoEConfig(cfg.up, cfg.down, token_down=True)
+    path = table.write_table([{"kind": "fp8_f16", "max_tokens": 8, "config": cfg2}], "test gpu", tmp_path / "t.json")
+    assert table.read_table(path)["fp8_f16"][8] == cfg2
 
 
 @pytest.mark.gpu
@@ -184,3 +187,49 @@ def test_gpu_f16_ling_shapes(num_tokens):
                                      mode="direct").float()
     assert ((out - direct).norm() / routed).item() < 1e-2
     assert_graph_replays_without_sync(step)
+
+
+@pytest.mark.parametrize("act,num_tokens,drop_from", [("f16", 6, 4), ("e4m3", 6, None), ("f16", 12, None),
+                                                      ("e4m3", 1, None)])
+def test_direct_token_down_matches_reference(act, num_tokens, drop_from):
+    """``align="none"``: the up kernel per pair and ``moe_down_token_kernel`` (down + combine per token), for both
+    activation scalings, against the references (ids -1 past ``drop_from``; ragged d = 160, I = 136)."""
+    from baton.ops.moe.naive import fused_experts_w8a8
+
+    mt = _mt()
+    gen = torch.Generator().manual_seed(num_tokens + len(act))
+    _, _, q13, s13, q2, s2 = _experts(6, 160, 136, gen)
+    x = torch.randn(num_tokens, 160, generator=gen)
+    ids, w = _routes(num_tokens, 6, 3, gen, drop_from)
+    res, shared = torch.randn(num_tokens, 160, generator=gen), torch.randn(num_tokens, 160, generator=gen)
+    ref = fused_experts_w8a8(x, q13, s13, q2, s2, ids, w, 4.0, act=act) + shared + res
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    form = {"mode": "f16"} if act == "f16" else {"act_fp8": True}
+    out = mt.fused_experts_decode(to(x), to(q13), to(q2), to(ids), to(w), 4.0, residual=to(res),
+                                  shared_out=to(shared), w13_scale=to(s13), w2_scale=to(s2), align="none", **form)
+    tol = dict(rtol=1e-2, atol=2e-3) if HAS_CUDA and act == "e4m3" else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.cpu(), ref, **tol)
+
+
+def test_token_down_is_the_tables_choice(monkeypatch):
+    """Tiles with ``token_down`` run two launches at any T (no alignment, no combine); without it, T >= 3 takes the
+    alignment and the combine."""
+    mt = _mt()
+    launched = []
+    for name in ("moe_align_fwd", "moe_combine_fwd"):
+        real = getattr(mt, name)
+        monkeypatch.setattr(mt, name, lambda *a, _n=name, _r=real, **k: (launched.append(_n), _r(*a, **k))[1])
+    gen = torch.Generator().manual_seed(9)
+    _, _, q13, s13, q2, s2 = _experts(6, 160, 136, gen)
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    tiles = dict(up=mt.MoETile(32, 128, 4, 2), down=mt.MoETile(32, 128, 4, 2))
+    for token_down, expect in ((True, []), (False, ["moe_align_fwd", "moe_combine_fwd"])):
+        launched.clear()
+        x = torch.randn(5, 160, generator=gen)
+        ids, w = _routes(5, 6, 3, gen)
+        out = mt.fused_experts_decode(to(x), to(q13), to(q2), to(ids), to(w), 0.0, w13_scale=to(s13),
+                                      w2_scale=to(s2), mode="f16",
+                                      config=mt.MoEConfig(**tiles, token_down=token_down))
+        assert launched == expect
+        torch.testing.assert_close(out.cpu(), fused_experts_fp8_f16(x, q13, s13, q2, s2, ids, w, 0.0),
+                                   rtol=1e-4, atol=1e-4)

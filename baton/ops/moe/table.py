@@ -53,6 +53,7 @@ class MoEConfig:
     block_m: int = 16  # aligned mode: rows (same-expert pairs) per program; >= 16 for tl.dot
     combine: MoETile = MoETile(256, 1, 4, 1)  # aligned mode: combine kernel (block_n only)
     preferred: bool = True  # fp8_f16: the default for fp8 experts at these T (else the direct kernels)
+    token_down: bool = False  # fp8_f16 / fp8_w8a8: direct at any T, the down kernel with the combine per token
 
 
 KINDS = ("direct", "aligned", "fp8", "fp8_aligned", "fp8_w8a8", "fp8_f16")
@@ -83,7 +84,8 @@ def table_path(device_name: str) -> Path:
 def _config(e: dict) -> MoEConfig:
     extra = {"combine": MoETile(**e["combine"])} if "combine" in e else {}
     return MoEConfig(up=MoETile(**e["up"]), down=MoETile(**e["down"]), block_m=int(e.get("block_m", 16)),
-                     preferred=bool(e.get("preferred", True)), **extra)
+                     preferred=bool(e.get("preferred", True)), token_down=bool(e.get("token_down", False)),
+                     **extra)
 
 
 def read_table(path: str | os.PathLike) -> dict[str, dict[int, MoEConfig]]:
@@ -106,6 +108,8 @@ def _entry(kind: str, max_tokens: int, cfg: MoEConfig, extra: dict | None = None
             del tile["split_k"]
     if tiles["preferred"]:  # written only where it says no
         del tiles["preferred"]
+    if not tiles["token_down"]:  # written only where it says yes
+        del tiles["token_down"]
     return {"kind": kind, "max_tokens": None if max_tokens >= ANY_T else max_tokens, **tiles, **(extra or {})}
 
 

@@ -728,21 +728,33 @@ def _prefetch_l2_rows(row_ptrs, ROW_BYTES: tl.constexpr, BL: tl.constexpr):
 
 
 @triton.jit
-def _mma_operands(v, w, FP8_DOT: tl.constexpr, ACT_F16: tl.constexpr):
-    """(activation operand [R, 128], its per-row scales [R], weight operand) of one 128-K group: v fp32 rows
-    quantised to e4m3 (w8a8, w the e4m3 tile as loaded) or, ACT_F16, scaled into fp16 (w widened to fp16, exact).
-    FP8_DOT false (the interpreter, whose dot on fp8 bits is not the e4m3 product): both operands' values in fp32."""
+def _act_operand(v, FP8_DOT: tl.constexpr, ACT_F16: tl.constexpr):
+    """(activation operand [R, 128], its per-row scales [R]) of one 128-K group: v fp32 rows quantised to e4m3
+    (w8a8) or, ACT_F16, scaled into fp16. FP8_DOT false (the interpreter): the operand's values in fp32."""
     if ACT_F16:
         q, s = f16_rows(v, FP8_DOT)
-        if FP8_DOT:
-            w = w.to(tl.float16)
-        else:
-            w = w.to(tl.float32)
     else:
         q, s = quant_e4m3_rows(v, FP8_DOT)
-        if not FP8_DOT:
-            w = w.to(tl.float32)
-    return q, s, w
+    return q, s
+
+
+@triton.jit
+def _w_operand(w, FP8_DOT: tl.constexpr, ACT_F16: tl.constexpr):
+    """The e4m3 weight tile as the MMA takes it: as loaded (w8a8), widened to fp16 (ACT_F16: exact), or in fp32
+    (FP8_DOT false: the interpreter, whose dot on fp8 bits is not the e4m3 product)."""
+    if not FP8_DOT:
+        w = w.to(tl.float32)
+    elif ACT_F16:
+        w = w.to(tl.float16)
+    return w
+
+
+@triton.jit
+def _mma_operands(v, w, FP8_DOT: tl.constexpr, ACT_F16: tl.constexpr):
+    """(activation operand, its per-row scales, weight operand) of one 128-K group (``_act_operand``,
+    ``_w_operand``)."""
+    q, s = _act_operand(v, FP8_DOT, ACT_F16)
+    return q, s, _w_operand(w, FP8_DOT, ACT_F16)
 
 
 @triton.jit
@@ -882,6 +894,57 @@ def moe_down_w8a8_kernel(
     tl.store(y_ptr + pair[None, :] * stride_yp + offs_n[:, None], acc, mask=mask_n[:, None] & mr[None, :])
 
 
+@triton.jit
+def moe_down_token_kernel(
+    act_ptr, w2_ptr, s_ptr, ids_ptr, tw_ptr, shared_ptr, res_ptr, out_ptr,  # act [T*TOPK, INTER] fp32, out [T, HIDDEN]
+    HIDDEN: tl.constexpr, INTER: tl.constexpr, stride_at, stride_we, stride_wn, stride_se, stride_sn, stride_st,
+    stride_rt, stride_ot, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr, FP8_DOT: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr,
+    USE_PDL: tl.constexpr, SB: tl.constexpr = 128, ACT_F16: tl.constexpr = False,
+):
+    """The tensor-core down-projection and the combine in one: program = (N-block of d, token). One flattened loop
+    over the token's TOPK experts x 128-K groups (the pipeline spans experts, as ``moe_down_direct_kernel``'s): the
+    activation tile holds the token's TOPK SwiGLU rows with every row but expert j's masked to zero, so column j of
+    acc [BLOCK_N, BLOCK_M] gathers expert j's product (scaled per group by block scale x row scale x routing
+    weight) and the others add zeros; y = the columns' sum (+ shared + residual), one cast. No per-pair rows, no
+    combine launch. BLOCK_M (>= 16, the MMA's narrow side) >= TOPK."""
+    pid_n = tl.program_id(0)
+    tok = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    mj = rows < TOPK
+    # Router outputs: written two launches back, complete before this grid starts (the module docstring)
+    ids = tl.load(ids_ptr + tok * TOPK + rows, mask=mj, other=-1).to(tl.int64)
+    rw = tl.load(tw_ptr + tok * TOPK + rows, mask=mj, other=0.0).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < HIDDEN
+    offs_k = tl.arange(0, SB)
+    a_rows = act_ptr + (tok * TOPK + rows)[:, None] * stride_at + offs_k[None, :]  # [BLOCK_M, SB]
+    w_rows = offs_n[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, SB]
+    s_col = ((pid_n * BLOCK_N) // SB) * stride_sn  # BLOCK_N divides SB: one scale row
+    num_k: tl.constexpr = (INTER + SB - 1) // SB
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for it in tl.range(0, TOPK * num_k, num_stages=NUM_STAGES):
+        j = it // num_k
+        k0 = (it - j * num_k) * SB
+        e = tl.sum(tl.where(rows == j, ids, 0), axis=0)
+        routed = e >= 0  # id -1: no expert, no weight read, adds zero
+        mk = (k0 + offs_k) < INTER
+        av = tl.load(a_rows + k0, mask=((rows == j) & routed)[:, None] & mk[None, :], other=0.0)
+        w = tl.load(w2_ptr + e * stride_we + w_rows + k0, mask=mask_n[:, None] & (mk & routed)[None, :], other=0.0)
+        aq, as_ = _act_operand(av, FP8_DOT, ACT_F16)
+        ws = tl.load(s_ptr + e * stride_se + s_col + k0 // SB, mask=routed, other=0.0)
+        acc += tl.dot(_w_operand(w, FP8_DOT, ACT_F16), tl.trans(aq)) * (ws * as_ * rw)[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_SHARED:
+        y += tl.load(shared_ptr + tok * stride_st + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if HAS_RES:
+        y += tl.load(res_ptr + tok * stride_rt + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tok * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
 # L2 prefetch before the PDL wait, off: the down kernel its program's w2 tile (W8A8_PREFETCH), the aligned up
 # kernel the first W8A8_PREFETCH_UP_GROUPS 128-column groups of its w13 tile (by pair b's expert, a hint). Measured
 # on the H200 (benchmarks/results/moe-2026-12-02): slower at every T (T = 6: 91.8 us with both, 90.0 with the down
@@ -914,8 +977,10 @@ def fused_experts_w8a8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
                        out: torch.Tensor, cfg: MoEConfig, pdl: bool, align: str | None = None,
                        act: str = "e4m3") -> torch.Tensor:
     """The w8a8 experts (``naive.fused_experts_w8a8``'s arithmetic; ``act="f16"``: ``naive.fused_experts_fp8_f16``'s,
-    fp16 activations): up, down, combine; for T*k pairs under ALIGNED_MIN_TOKENS tokens one program column per pair
-    (no alignment launch), else the alignment's blocks."""
+    fp16 activations). Under ALIGNED_MIN_TOKENS tokens: direct (the up kernel one program column per pair, no
+    alignment), then down per pair and the combine, or with ``cfg.token_down`` ``moe_down_token_kernel`` (the
+    down-projection with the combine per token: two launches in all); ``align="none"``: direct with the token
+    kernel at any T; else the alignment, then up, down and combine over its blocks."""
     if act not in ("e4m3", "f16"):
         raise ValueError(f"unknown activation scaling {act!r} (e4m3, f16)")
     act_f16 = act == "f16"
@@ -927,7 +992,8 @@ def fused_experts_w8a8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     _w8a8_tile_check(cfg.down)
     flat_ids = topk_ids.view(-1)
     num_pairs = flat_ids.numel()
-    direct = num_tokens < ALIGNED_MIN_TOKENS and align is None
+    direct = (align is None and num_tokens < ALIGNED_MIN_TOKENS) or align == "none"
+    token_down = align == "none" or cfg.token_down
     if direct:
         meta = (flat_ids, flat_ids, flat_ids, flat_ids, flat_ids)  # (ids, sorted_pairs, expert, start, count)
         num_blocks, grid_m, block_m = flat_ids, num_pairs, 16
@@ -953,6 +1019,18 @@ def fused_experts_w8a8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
         PREFETCH_GROUPS=_up_prefetch_groups(hidden, split) if fp8_dot and not direct and grid_m <= num_pairs else 0,
         ACT_F16=act_f16, **_launch_kw(pdl, cfg.up.num_warps, cfg.up.num_stages),
     )
+    if direct and token_down and split == 1:  # the down-projection and the combine in one launch per token
+        shared = shared_out if shared_out is not None else out
+        res = residual if residual is not None else out
+        moe_down_token_kernel[(triton.cdiv(hidden, cfg.down.block_n), num_tokens)](
+            act, w2, w2_scale, flat_ids, topk_weights.view(-1), shared, res, out, hidden, inter, stride_at,
+            w2.stride(0), w2.stride(1), w2_scale.stride(0), w2_scale.stride(1), shared.stride(0), res.stride(0),
+            out.stride(0), TOPK=top_k, BLOCK_M=max(16, triton.next_power_of_2(top_k)), BLOCK_N=cfg.down.block_n,
+            NUM_STAGES=cfg.down.num_stages, FP8_DOT=fp8_dot, HAS_SHARED=shared_out is not None,
+            HAS_RES=residual is not None, SB=FP8_BLOCK, ACT_F16=act_f16,
+            **_launch_kw(pdl, cfg.down.num_warps, cfg.down.num_stages),
+        )
+        return out
     y = _empty((num_pairs, hidden), torch.float32, x.device)
     moe_down_w8a8_kernel[(triton.cdiv(hidden, cfg.down.block_n), grid_m)](
         act, w2, w2_scale, topk_weights.view(-1), *meta, num_blocks, y, hidden, inter, stride_at, w2.stride(0),
@@ -1054,7 +1132,9 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     ``active_rows``): no program reads weights for it and it adds nothing, so a row of -1s is residual + shared_out.
     ``mode``: "direct", "aligned" or "hybrid" (default by T, see ``default_mode``), or for fp8 experts "f16" (the
     w8a8 kernels with fp16 activations: ``naive.fused_experts_fp8_f16``; the default where this GPU's ``fp8_f16``
-    table entry is preferred); ``align``: "triton" (one program, M <= MAX_ALIGN_PAIRS) or "torch" (default by M).
+    table entry is preferred); ``align``: "triton" (one program, M <= MAX_ALIGN_PAIRS) or "torch" (default by M), or
+    for the tensor-core fp8 forms "none" (direct at any T, no alignment: the default where the tiles say
+    ``token_down``).
     No host synchronisation: safe under CUDA-graph capture.
 
     fp8 experts: w13 / w2 in float8_e4m3fn with ``w13_scale`` / ``w2_scale`` 128 x 128 block scale_inv (the Ling fp8
@@ -1077,6 +1157,8 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         if num_tokens == 0:
             return out
         cfg = config if config is not None else get_config(num_tokens, "fp8_w8a8" if act_fp8 else "fp8_f16")
+        if cfg.token_down and align is None and cfg.up.split_k == 1:
+            align = "none"  # the table's choice at this T: direct, the down kernel with the combine per token
         return fused_experts_w8a8(
             x.contiguous(), w13, w2, topk_ids.contiguous(), topk_weights.contiguous(), swiglu_limit,
             residual.contiguous() if residual is not None else None,
