@@ -352,6 +352,14 @@ JOBS: list[Job] = [
             "--input-len 8192 --context-length 8400 --prefill --output-file $R/prefill_census.jsonl"
             for extra in ("", "--fp8-activation-scheme dynamic ")),
         gpus=1, limit_s=250, outputs=("prefill_census.jsonl",)),
+    Job("ling-prefill132-census", "issue 23: a cached follow-up turn's prefill (132 tokens) of the whole fp8 model: "
+                                  "kernels by category and name, the host's top ops (181 ms, 5,242 kernels, 64% "
+                                  "idle at dae8fba; since then the fp8 dense projections in 32-row launches and, "
+                                  "where the table prefers it, the experts on the fp16 MMA)",
+        commands=("D=$(python3 -c 'from benchmarks.bench_ling_flash import flash_dir; print(flash_dir())') && "
+                  "python3 -m baton census --model-path $D --load-format dummy --quantization fp8 --input-len 132 "
+                  "--context-length 8400 --prefill --output-file $R/prefill132.jsonl",),
+        gpus=1, limit_s=150, outputs=("prefill132.jsonl",)),
     Job("new-kernel-gpu-tests", "this session's kernels on the GPU: the batched KDA state commit, w8a8 dense and "
                                 "MoE, the MoE work list, fp8 dense and decode GEMMs",
         commands=(f"set -o pipefail; {PYTEST} -n 3 -m gpu tests/ops/test_state_commit.py tests/ops/test_fp8_w8a8.py "

@@ -159,7 +159,8 @@ def bench_fp8_dense(rows=(1, 6, 17), names=None, sweep: bool = False, tp_size: i
             row = dict(name=name, n=n, k=k, m=m, fusion=fusion, tp_size=tp_size, row_map=rb is not None,
                        fp8_us=round(fp8_us, 2), fp8_floor_us=round(fp8_bytes / CENSUS_BANDWIDTH * 1e6, 2),
                        bf16_us=round(bf16_us, 2), bf16_floor_us=round(w.nbytes / CENSUS_BANDWIDTH * 1e6, 2),
-                       fp8_path="triton" if m <= fast.DENSE_MAX_M else "dequantise+cuBLAS",
+                       fp8_path="triton" if m <= fast.DENSE_MAX_M else "triton, launches of 32 rows"
+                       if m <= fast.DENSE_CHUNKED_MAX_M else "dequantise+cuBLAS",
                        tiles=list(fast.pick_dense_tiles(m, n_out, swiglu)) if m <= fast.DENSE_MAX_M else None,
                        rel_err=err)
             if sweep and m <= fast.DENSE_MAX_M:

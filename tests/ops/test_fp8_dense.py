@@ -45,13 +45,14 @@ def test_parts_and_row_map():
     assert row_block_map([256, 128, 5]) is None  # aligned parts: row // 128 already
 
 
-@pytest.mark.parametrize("m", [1, 6, 17, 33])
+@pytest.mark.parametrize("m", [1, 6, 17, 70, 257])
 @pytest.mark.parametrize("variant", ["plain", "norm", "residual", "norm_residual"])
 @pytest.mark.parametrize("parts", [[256, 72], [200, 72, 40]])
 def test_kernel_matches_the_reference(m, variant, parts):
     """Ragged K (a partial last scale block), aligned and unaligned part boundaries; one row (the GEMV form), a
-    verify's 6, a DSpark gamma-16 verify's 17 (tl.dot over 32 padded rows); 33 is past the kernel's rows and takes
-    the reference through the dispatch (CPU: always the reference)."""
+    verify's 6, a DSpark gamma-16 verify's 17 (tl.dot over 32 padded rows); 70, a short prefill, in launches of 32
+    rows (the last of 6); 257 is past the chunked rows and takes the reference through the dispatch (CPU: always the
+    reference)."""
     ft = _triton()
     k = 290
     _, q, s, rb = _weight(parts, k, m)
@@ -62,7 +63,7 @@ def test_kernel_matches_the_reference(m, variant, parts):
     want = ref.fp8_dense_linear(x, q, s, rb, nw, 1e-6, res)
     plain = dense.linear(x, dequantize_fp8_rows(q, s, rb, torch.float32), nw, 1e-6, res)
     torch.testing.assert_close(want, plain)
-    if m > ft.DENSE_MAX_M:
+    if m > ft.DENSE_CHUNKED_MAX_M:
         assert not ft.supports_dense(x, q, s, rb, nw, res)
         torch.testing.assert_close(fp8_dense_linear(x, q, s, rb, nw, 1e-6, res), want)
         return
@@ -72,7 +73,7 @@ def test_kernel_matches_the_reference(m, variant, parts):
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("m", [1, 6, 17, 33])
+@pytest.mark.parametrize("m", [1, 6, 17, 70, 257])
 @pytest.mark.parametrize("inter,limit,norm", [(128, 0.0, True), (128, 7.0, False), (40, 5.0, True)])
 def test_swiglu_kernel_matches_the_reference(m, inter, limit, norm):
     """gate|up rows: a block-aligned intermediate (scalar scales) and an unaligned one (the row map)."""
@@ -84,7 +85,7 @@ def test_swiglu_kernel_matches_the_reference(m, inter, limit, norm):
     nw = torch.rand(k, generator=gen) + 0.5 if norm else None
     want = ref.fp8_dense_linear_swiglu(x, q, s, rb, nw, 1e-6, limit)
     assert want.shape == (m, inter)
-    if m > ft.DENSE_MAX_M:
+    if m > ft.DENSE_CHUNKED_MAX_M:
         torch.testing.assert_close(fp8_dense_linear_swiglu(x, q, s, rb, nw, 1e-6, limit), want)
         return
     got = ft.fp8_dense(*_to(x, q, s, rb, nw), 1e-6, None, True, limit, pdl=False)
@@ -126,7 +127,8 @@ def test_supports_dense():
     assert not ft.supports_dense(x, q, s[:1])
     _, q3, s3, rb = _weight([200, 72], 128, 0)
     assert ft.supports_dense(x, q3, s3, rb) and not ft.supports_dense(x, q3, s3, rb[:5])
-    assert not ft.supports_dense(torch.randn(ft.DENSE_MAX_M + 1, 128), q, s)
+    assert ft.supports_dense(torch.randn(ft.DENSE_MAX_M + 1, 128), q, s)  # in row chunks
+    assert not ft.supports_dense(torch.randn(ft.DENSE_CHUNKED_MAX_M + 1, 128), q, s)
     _, q2, s2, _ = _weight([40, 40], 128, 0)
     assert not ft.supports_dense(x, q2, s2, None, swiglu=True)  # unaligned gate|up without the map
 

@@ -10,8 +10,9 @@
   in x's dtype).
 
 CUDA tensors take the Triton kernels (``triton.py``: the block scales applied in registers, one fp32 sum) when triton
-imports, ``baton.env.use_triton()`` allows and the call fits (at most 16 rows for the lm_head, 32 for a dense
-projection: a DSpark verify of gamma 16 is 17); everything else the dequantise-then-matmul references (``naive.py``).
+imports, ``baton.env.use_triton()`` allows and the call fits (at most 16 rows for the lm_head; 32 for a dense
+projection in one launch, a DSpark verify of gamma 16 being 17, and up to 256 (a short prefill) in launches of 32
+rows); everything else the dequantise-then-matmul references (``naive.py``).
 Triton is imported on the first CUDA call, never by importing this package.
 """
 

@@ -119,6 +119,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
 # Rows one dense launch takes: a DSpark verify of gamma 16 is 17; past this the dispatch dequantises the weight
 # and runs cuBLAS (prefill), which reads the weight three times over (fp8, the fp32 dequantised copy, bf16).
 DENSE_MAX_M = lt.MAX_M
+# Short prefills (a cached follow-up turn: ~100-250 new tokens) take the kernel in row chunks of DENSE_MAX_M, one
+# launch each: the chunks after the first find most of the weight in L2 (Ling's largest dense projection is ~32 MB
+# of fp8), where the dequantising reference writes and reads an fp32 and a bf16 copy of every weight per call.
+# Longer prompts keep the reference (cuBLAS on the dequantised weight: its reads amortise over the rows).
+DENSE_CHUNKED_MAX_M = 256
 
 
 def pick_dense_config(m: int, n_out: int, k: int, swiglu: bool = False, act_fp8: bool = False) -> LinearConfig:
@@ -139,7 +144,8 @@ def pick_dense_tiles(m: int, n_out: int, swiglu: bool = False, k: int = 2560) ->
 def supports_dense(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                    row_block: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                    residual: torch.Tensor | None = None, swiglu: bool = False) -> bool:
-    """Whether the Triton path takes this call: 1..DENSE_MAX_M rows of bf16 / fp32 (fp16), a contiguous fp8 weight, fp32
+    """Whether the Triton path takes this call: 1..DENSE_CHUNKED_MAX_M rows of bf16 / fp32 (fp16; past DENSE_MAX_M in
+    row chunks), a contiguous fp8 weight, fp32
     scales of the weight's blocks (with ``row_block``: as many scale rows as it names), the norm weight in x's
     dtype, the residual shaped like the output."""
     if x.dim() < 1 or x.numel() == 0 or weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
@@ -155,7 +161,7 @@ def supports_dense(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tenso
     if row_block is not None and (row_block.shape != (weight.shape[0],) or row_block.dtype != torch.int32
                                   or row_block.stride(0) != 1):
         return False
-    if not 1 <= x.numel() // x.shape[-1] <= DENSE_MAX_M or (swiglu and weight.shape[0] % 2):
+    if not 1 <= x.numel() // x.shape[-1] <= DENSE_CHUNKED_MAX_M or (swiglu and weight.shape[0] % 2):
         return False
     if swiglu and row_block is None and (weight.shape[0] // 2) % SB:
         return False  # the up rows' blocks start inside a block: the weight's scale rows do not line up
@@ -173,14 +179,22 @@ def fp8_dense(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, ro
               swiglu: bool = False, limit: float = 0.0, tiles: tuple[int, int, int, int] | None = None,
               pdl: bool | None = None, config: LinearConfig | None = None, act_fp8: bool = False) -> torch.Tensor:
     """``naive.fp8_dense_linear`` (``swiglu``: ``naive.fp8_dense_linear_swiglu``) in one launch. x [..., K] with
-    at most DENSE_MAX_M rows; the result has x's dtype (promoted with the residual's), as ``baton.ops.linear``.
+    at most DENSE_MAX_M rows (up to DENSE_CHUNKED_MAX_M: one launch per DENSE_MAX_M rows); the result has x's
+    dtype (promoted with the residual's), as ``baton.ops.linear``.
     ``config`` (or the older ``tiles``: (BLOCK_N, BLOCK_K, num_warps, num_stages) of the look-ahead forms, no
     split) overrides the table. ``act_fp8``: w8a8 (the rows quantised to e4m3 per 128-column group after the
     prologue, fp8 x fp8 MMA; the same arithmetic as the reference with ``act_fp8=True``); a ``config`` then must be
     a swap-form one with BLOCK_K 128."""
     m = x.numel() // x.shape[-1]
-    assert 1 <= m <= DENSE_MAX_M, f"fp8_dense takes 1..{DENSE_MAX_M} rows, got {m}"
     n_out = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    if DENSE_MAX_M < m <= DENSE_CHUNKED_MAX_M:  # a short prefill: one launch per DENSE_MAX_M rows
+        x2 = x.reshape(m, x.shape[-1])
+        r2 = None if residual is None else residual.reshape(m, n_out)
+        parts = [fp8_dense(x2[i:i + DENSE_MAX_M], weight, scale_inv, row_block, norm_weight, eps,
+                           None if r2 is None else r2[i:i + DENSE_MAX_M], swiglu, limit, tiles, pdl, config, act_fp8)
+                 for i in range(0, m, DENSE_MAX_M)]
+        return torch.cat(parts).reshape(*x.shape[:-1], n_out)
+    assert 1 <= m <= DENSE_MAX_M, f"fp8_dense takes 1..{DENSE_CHUNKED_MAX_M} rows, got {m}"
     assert row_block is not None or not swiglu or n_out % SB == 0, "fp8 SwiGLU: unaligned gate rows need row_block"
     if config is None and tiles is not None:
         block_n, block_k, num_warps, num_stages = tiles

@@ -87,8 +87,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
             y = y + residual.float()
         return y.to(x.dtype)
     if _use_triton(x) and (w13_scale is None or env.fp8_aligned_prefill()
-                           or x.shape[0] * topk_ids.shape[1] <= max(_triton_impl().FP8_DIRECT_MAX_PAIRS,
-                                                                     _triton_impl().FP8_F16_MAX_PAIRS)):
+                           or x.shape[0] * topk_ids.shape[1] <= _triton_impl().FP8_DIRECT_MAX_PAIRS):
         # fp8 at any T too: direct for the decode shapes, aligned past them (prefill: no dequantised copy)
         return _triton_impl().fused_experts_decode(x, w13, w2, topk_ids, topk_weights, swiglu_limit,
                                                    residual=residual, shared_out=shared_out,
