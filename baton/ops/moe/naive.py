@@ -81,6 +81,7 @@ def fused_experts_dense_gather(x: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
 
 _ACT_SCALING = {"e4m3": quantize_act_e4m3, "f16": scale_act_f16}
 
+
 def _w8a8_matvec(q: torch.Tensor, qs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, row_block: torch.Tensor,
                  group: int = ACT_GROUP) -> torch.Tensor:
     """sum over K groups g of ``(ws[n, g] * qs[p, g]) * sum_{k in g} w[p, n, k] q[p, k]`` in fp32.

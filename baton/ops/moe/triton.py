@@ -272,6 +272,18 @@ def _swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
 
 
 @triton.jit
+def _store_token_row(y, shared_ptr, res_ptr, out_ptr, tok, offs_n, mask_n, stride_st, stride_rt, stride_ot,
+                     HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr):
+    """A token's routed sum y [BLOCK_N] fp32 ``+ shared_out + residual`` (in fp32, that order), stored once in the
+    output's dtype: the epilogue of every kernel that finishes a token's row."""
+    if HAS_SHARED:
+        y += tl.load(shared_ptr + tok * stride_st + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    if HAS_RES:
+        y += tl.load(res_ptr + tok * stride_rt + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tok * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
 def moe_up_direct_kernel(
     x_ptr, w13_ptr, ids_ptr, act_ptr,  # x [T, HIDDEN], w13 [E, 2I, HIDDEN], ids [T*TOPK], act [T*TOPK, INTER] fp32
     HIDDEN: tl.constexpr, INTER: tl.constexpr, stride_xt, stride_we, stride_wn, stride_at, limit,
@@ -371,11 +383,8 @@ def moe_down_direct_kernel(
             else:
                 acc += w * (a * rw)[None, :]
     y = tl.sum(acc, axis=1)
-    if HAS_SHARED:
-        y += tl.load(shared_ptr + tok * stride_st + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    if HAS_RES:
-        y += tl.load(res_ptr + tok * stride_rt + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + tok * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+    _store_token_row(y, shared_ptr, res_ptr, out_ptr, tok, offs_n, mask_n, stride_st, stride_rt, stride_ot,
+                     HAS_SHARED, HAS_RES)
 
 
 def _scale_args(scale: torch.Tensor | None, tile: MoETile) -> dict:
@@ -685,11 +694,8 @@ def moe_combine_kernel(
     for j in tl.static_range(TOPK):  # fixed order: deterministic
         routed = tl.load(ids_ptr + tok * TOPK + j) >= 0  # a pair with no expert was in no block: y never written
         acc += tl.load(y_ptr + (tok * TOPK + j) * stride_yp + offs_n, mask=mask_n & routed, other=0.0)
-    if HAS_SHARED:
-        acc += tl.load(shared_ptr + tok * stride_st + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    if HAS_RES:
-        acc += tl.load(res_ptr + tok * stride_rt + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + tok * stride_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+    _store_token_row(acc, shared_ptr, res_ptr, out_ptr, tok, offs_n, mask_n, stride_st, stride_rt, stride_ot,
+                     HAS_SHARED, HAS_RES)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -938,11 +944,8 @@ def moe_down_token_kernel(
         ws = tl.load(s_ptr + e * stride_se + s_col + k0 // SB, mask=routed, other=0.0)
         acc += tl.dot(_w_operand(w, FP8_DOT, ACT_F16), tl.trans(aq)) * (ws * as_ * rw)[None, :]
     y = tl.sum(acc, axis=1)
-    if HAS_SHARED:
-        y += tl.load(shared_ptr + tok * stride_st + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    if HAS_RES:
-        y += tl.load(res_ptr + tok * stride_rt + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + tok * stride_ot + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
+    _store_token_row(y, shared_ptr, res_ptr, out_ptr, tok, offs_n, mask_n, stride_st, stride_rt, stride_ot,
+                     HAS_SHARED, HAS_RES)
 
 
 # L2 prefetch before the PDL wait, off: the down kernel its program's w2 tile (W8A8_PREFETCH), the aligned up
@@ -992,8 +995,10 @@ def fused_experts_w8a8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     _w8a8_tile_check(cfg.down)
     flat_ids = topk_ids.view(-1)
     num_pairs = flat_ids.numel()
-    direct = (align is None and num_tokens < ALIGNED_MIN_TOKENS) or align == "none"
-    token_down = align == "none" or cfg.token_down
+    split = cfg.up.split_k
+    # the token kernel (down + combine per token) runs direct at any T: on align "none", or where the tiles say so
+    token_down = split == 1 and (align == "none" or cfg.token_down)
+    direct = align == "none" or (align is None and (num_tokens < ALIGNED_MIN_TOKENS or token_down))
     if direct:
         meta = (flat_ids, flat_ids, flat_ids, flat_ids, flat_ids)  # (ids, sorted_pairs, expert, start, count)
         num_blocks, grid_m, block_m = flat_ids, num_pairs, 16
@@ -1005,7 +1010,6 @@ def fused_experts_w8a8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
         meta = (flat_ids, al.sorted_pairs, al.block_expert, al.block_start, al.block_count)
         num_blocks, grid_m = al.num_blocks, al.max_blocks
     fp8_dot = not _interpreting()
-    split = cfg.up.split_k
     # split-K: [split, M, 2I] partial gate | up sums (SwiGLU in the down kernel); else act [M, I]
     act = _empty((split, num_pairs, two_inter) if split > 1 else (num_pairs, inter), torch.float32, x.device)
     stride_as = act.stride(0) if split > 1 else 0
@@ -1019,7 +1023,7 @@ def fused_experts_w8a8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
         PREFETCH_GROUPS=_up_prefetch_groups(hidden, split) if fp8_dot and not direct and grid_m <= num_pairs else 0,
         ACT_F16=act_f16, **_launch_kw(pdl, cfg.up.num_warps, cfg.up.num_stages),
     )
-    if direct and token_down and split == 1:  # the down-projection and the combine in one launch per token
+    if token_down:  # the down-projection and the combine in one launch per token
         shared = shared_out if shared_out is not None else out
         res = residual if residual is not None else out
         moe_down_token_kernel[(triton.cdiv(hidden, cfg.down.block_n), num_tokens)](
@@ -1157,8 +1161,6 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         if num_tokens == 0:
             return out
         cfg = config if config is not None else get_config(num_tokens, "fp8_w8a8" if act_fp8 else "fp8_f16")
-        if cfg.token_down and align is None and cfg.up.split_k == 1:
-            align = "none"  # the table's choice at this T: direct, the down kernel with the combine per token
         return fused_experts_w8a8(
             x.contiguous(), w13, w2, topk_ids.contiguous(), topk_weights.contiguous(), swiglu_limit,
             residual.contiguous() if residual is not None else None,
