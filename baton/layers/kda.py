@@ -5,6 +5,14 @@ gated RMSNorm on the output.
 Prefill runs the chunked form; decode, draft and extend run the recurrence and update the persistent
 state; verify runs the recurrence from the persistent state and stages each position's state instead.
 
+Kernels of one non-prefill forward on CUDA, between the projections (``in_proj``, with KDA LoRA ``f_b_proj`` /
+``g_b_proj``, and ``o_proj``, unchanged): ONE ``kda_recurrent_fused_kernel``, which runs the short conv + SiLU of
+q|k|v with its window update or per-position staging, the L2 norms, gate, beta, the delta rule with its state
+update or staging, and the output gated RMSNorm (in the epilogue of each head's last V-block). Before: three,
+``short_conv_update_kernel``, the recurrence and, at every default ``block_v`` (BV < V), a separate
+``gated_rms_norm_kernel``; over Ling-3.0-flash's 35 KDA layers 105 -> 35 launches a step (a NEXTN step's one
+verify forward, or a plain decode step).
+
 Under tensor parallelism heads are split (``num_attention_heads / tp`` per rank): q/k/v/f/g/b rows, the conv
 channels, A_log and dt_bias are this rank's heads' (column-parallel), the recurrent and conv states hold only
 those heads, o_norm is shared, and o_proj is row-parallel. With KDA LoRA the small f_a/g_a projections are
@@ -40,6 +48,11 @@ class FusedShortConv(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
+    # Decode / verify / draft / extend: the short conv inside the recurrence kernel (``kda_recurrent_fused`` with
+    # ``conv_weight``). False: the former two calls (``short_conv_update``, then the recurrence), kept for A/B
+    # timing and the tests that compare the two.
+    fused_conv: bool = True
+
     def __init__(self, layer_id: int, cfg: LingConfig, device=None, dtype=None) -> None:
         super().__init__()
         self.layer_id = layer_id
@@ -84,11 +97,16 @@ class KimiDeltaAttention(nn.Module):
             o = self._prefill(qkv, f, gate, b, conv_w, state)
         else:
             staging = ctx.stages_state
-            qkv = short_conv_update(qkv, conv_w, state.conv, state.staged_conv if staging else None, not staging)
+            conv = {}
+            if self.fused_conv:  # the raw q|k|v: the kernel runs the conv (and updates / stages its window) itself
+                conv = dict(conv_weight=conv_w, conv_state=state.conv,
+                            conv_windows=state.staged_conv if staging else None)
+            else:
+                qkv = short_conv_update(qkv, conv_w, state.conv, state.staged_conv if staging else None, not staging)
             q, kk, v = (z.view(t, h, k) for z in qkv.split(p, dim=-1))
             o = kda_recurrent_fused(q, kk, v, f.reshape(t, h, k), b, self.A_log, self.dt_bias, self.lower_bound,
                                     state.recurrent, None, state.staged_recurrent if staging else None,
-                                    not staging, self.o_norm.weight, gate.reshape(t, h, k), self.o_norm.eps)
+                                    not staging, self.o_norm.weight, gate.reshape(t, h, k), self.o_norm.eps, **conv)
         return self.o_proj.project(o.reshape(t, p), residual)
 
     def _prefill(self, qkv, f, gate, b, conv_w, state: KDAState) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Timing of the fused KDA recurrence (and the short conv) on CUDA at Ling-3.0-flash shapes, inside CUDA graphs.
 
-``python -m benchmarks.ops.bench_kda [all|kda|conv]`` (on the GPU machine) prints, for each T and mode:
+``python -m benchmarks.ops.bench_kda [all|kda|conv|fused]`` (on the GPU machine) prints, for each T and mode:
 
 - ``decode``: T=1, state read + written in place (2 MiB + 2 MiB per layer at H=32, K=V=128);
 - ``verify``: T>1, state only read, every position's post-state staged (2 MiB + T x 2 MiB);
@@ -113,7 +113,7 @@ def bench_kda(
     verbose: bool = True,
 ) -> list[dict[str, Any]]:
     """Sweeps (BV, num_warps) of ``kda_recurrent_fused`` per (T, mode), then times the best config with the
-    output gated RMSNorm (fused when BV == V, a second kernel otherwise), and fla-core's kernels if present.
+    output gated RMSNorm (inline when BV == V, else by each head's last V-block), and fla-core's kernels if present.
     Returns one dict per measurement (name, T, mode, bv, num_warps, us, state_bytes, gbps, err)."""
     from baton.ops.kda import naive
     from baton.ops.kda import triton as tk
@@ -175,7 +175,7 @@ def bench_kda(
             _, bbv, bnw = best
             for bv, nw in {(bbv, bnw), (V, max(4, bnw))}:
                 us = _graph_us([lambda d=d, bv=bv, nw=nw: ours(d, bv, nw, True) for d in sets], reps)
-                emit(dict(name="baton+norm" + ("(fused)" if bv >= V else "(2 kernels)"), T=T, mode=mode, bv=bv,
+                emit(dict(name="baton+norm" + ("(inline)" if bv >= V else "(last V-block)"), T=T, mode=mode, bv=bv,
                           num_warps=nw, us=us, state_bytes=nbytes, gbps=nbytes / us / 1e3, err=None))
 
             if fla_pub is not None and mode in ("decode", "final"):
@@ -267,6 +267,77 @@ def bench_short_conv(
     return rows
 
 
+def bench_conv_kda(
+    Ts: tuple[int, ...] = (1, 6, 17),
+    configs: tuple[tuple[int, int], ...] = ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4)),
+    H: int = 32,
+    K: int = 128,
+    V: int = 128,
+    W: int = 4,
+    dtype: torch.dtype = torch.bfloat16,
+    lower_bound: float = -5.0,
+    reps: int = 20,
+    verbose: bool = True,
+) -> list[dict[str, Any]]:
+    """The layer's non-prefill KDA core as it was (``short_conv_update``, then ``kda_recurrent_fused`` with the output
+    norm: 2 launches) against the fused form (``kda_recurrent_fused`` with ``conv_weight``: 1 launch), per T
+    (T = 1 decode: persistent state and window updated; T > 1 verify: both staged per position) and (BV, warps)."""
+    from baton.ops.kda import naive
+    from baton.ops.kda import triton as tk
+    from baton.ops.short_conv import triton as ts
+
+    assert torch.cuda.is_available(), "bench_conv_kda needs CUDA"
+    rows: list[dict[str, Any]] = []
+    D = 2 * H * K + H * V
+    if verbose:
+        print(f"# bench_conv_kda on {torch.cuda.get_device_name()}  H={H} K={K} V={V} W={W} {dtype}  PDL={use_pdl()}",
+              flush=True)
+    for T in Ts:
+        stage = T > 1
+        mode = "verify" if stage else "decode"
+        nbytes = _kda_state_bytes(T, H, K, V, mode)
+        sets = []
+        for i in range(_rotation(nbytes)):
+            d = _kda_inputs(T, H, K, V, dtype, seed=i)
+            d.update(cw=0.5 * torch.randn(D, W, device="cuda").to(dtype),
+                     cs=torch.randn(D, W - 1, device="cuda").to(dtype),
+                     win=torch.empty(T, D, W - 1, device="cuda", dtype=dtype),
+                     y=torch.empty(T, D, device="cuda", dtype=dtype))
+            d["qkv"] = torch.cat([d["q"].reshape(T, -1), d["k"].reshape(T, -1), d["v"].reshape(T, -1)], -1)
+            sets.append(d)
+
+        def call(d: dict[str, torch.Tensor], bv: int, nw: int, fused: bool, ref: bool = False, T: int = T,
+                 stage: bool = stage) -> torch.Tensor:
+            rec = naive.kda_recurrent_fused if ref else tk.kda_recurrent_fused
+            kw = {} if ref else dict(block_v=bv, num_warps=nw)
+            os_, win = (d["out_states"], d["win"]) if stage else (None, None)
+            if fused:
+                q, k, v = d["q"], d["k"], d["v"]
+                kw.update(conv_weight=d["cw"], conv_state=d["cs"], conv_windows=win)
+            else:
+                y = ts.short_conv_update(d["qkv"], d["cw"], d["cs"], win, not stage, out=d["y"])
+                q, k, v = (z.view(T, H, -1) for z in y.split([H * K, H * K, H * V], -1))
+            return rec(q, k, v, d["f"], d["b"], d["A_log"], d["dt_bias"], lower_bound, d["state"], None, os_,
+                       not stage, d["w"], d["gate"], out=d["o"], **kw)
+
+        d0 = sets[0]
+        keep = {n: d0[n].clone() for n in ("state", "cs")}
+        o_ref = call({**d0, "state": keep["state"].clone(), "cs": keep["cs"].clone(), "o": d0["o"].clone(),
+                      "out_states": d0["out_states"].clone(), "win": d0["win"].clone()}, 0, 0, True, ref=True).clone()
+        for bv, nw in configs:
+            o_f = call({**d0, "state": keep["state"].clone(), "cs": keep["cs"].clone()}, bv, nw, True).clone()
+            err = (o_f.float() - o_ref.float()).abs().max().item()
+            for fused in (False, True):
+                us = _graph_us([lambda d=d, bv=bv, nw=nw, fused=fused: call(d, bv, nw, fused) for d in sets], reps)
+                name = "fused conv+kda+norm" if fused else "short_conv | kda+norm"
+                rows.append(dict(name=name, T=T, mode=mode, bv=bv, num_warps=nw, us=us, err=err))
+                if verbose:
+                    print(f"{name:<22} T={T:<3} {mode:<7} BV={bv:<4} nw={nw:<2} {us:8.2f} us  err={err:.2e}",
+                          flush=True)
+        del sets
+    return rows
+
+
 if __name__ == "__main__":
     import sys
 
@@ -275,3 +346,5 @@ if __name__ == "__main__":
         bench_kda()
     if which in ("all", "conv"):
         bench_short_conv()
+    if which in ("all", "fused"):
+        bench_conv_kda()

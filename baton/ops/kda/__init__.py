@@ -100,10 +100,15 @@ def kda_recurrent_fused(
     out: torch.Tensor | None = None,
     block_v: int | None = None,
     num_warps: int | None = None,
+    conv_weight: torch.Tensor | None = None,
+    conv_state: torch.Tensor | None = None,
+    conv_windows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Fused KDA decode / verify recurrence from the raw projections; see ``baton.ops.kda.naive``'s version
-    for the contract. Returns o [T, H, V] in v's dtype."""
+    """Fused KDA decode / verify recurrence from the raw projections; with ``conv_weight`` / ``conv_state`` (/
+    ``conv_windows``) from the raw q|k|v before the short conv, which it applies (and whose window it updates or
+    stages) itself. See ``baton.ops.kda.naive``'s version for the contract. Returns o [T, H, V] in v's dtype."""
     impl = _triton_impl() if q.is_cuda and use_triton() else None
     fn = impl.kda_recurrent_fused if impl is not None else _naive.kda_recurrent_fused
     return fn(q, k, v, f, b_logits, A_log, dt_bias, lower_bound, state, scale, out_states, update_state,
-              o_norm_weight, gate, eps, out=out, block_v=block_v, num_warps=num_warps)
+              o_norm_weight, gate, eps, out=out, block_v=block_v, num_warps=num_warps, conv_weight=conv_weight,
+              conv_state=conv_state, conv_windows=conv_windows)

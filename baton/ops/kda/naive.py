@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.ops.rmsnorm.naive import gated_rms_norm
+from baton.ops.short_conv.naive import short_conv_update
 
 __all__ = ["kda_chunk", "kda_decode_step", "kda_gate", "kda_recurrent", "kda_recurrent_fused", "l2norm"]
 
@@ -244,6 +245,9 @@ def kda_recurrent_fused(
     out: torch.Tensor | None = None,
     block_v: int | None = None,
     num_warps: int | None = None,
+    conv_weight: torch.Tensor | None = None,
+    conv_state: torch.Tensor | None = None,
+    conv_windows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for the fused decode / verify kernel (``baton.ops.kda.triton.kda_recurrent_fused``), same
     signature: ``kda_gate`` + sigmoid(b) + ``kda_recurrent`` (L2-normalised q, k) [+ ``gated_rms_norm``].
@@ -252,8 +256,18 @@ def kda_recurrent_fused(
     fp32. ``out_states[:T]`` (fp32) receives every position's post-state; ``update_state`` writes the final
     state into ``state``. With ``o_norm_weight`` [V] and ``gate`` [T, H, V] the output is gated-RMS-normed.
     ``block_v`` / ``num_warps`` are the kernel's tunables, ignored here. Returns o [T, H, V] in v's dtype.
+
+    With ``conv_weight`` [D, W] and ``conv_state`` [D, W-1] (D = 2*H*K + H*V), q, k, v are the raw projections
+    before the short conv: first ``short_conv_update`` over x = q|k|v (staging the per-token windows into
+    ``conv_windows`` and, with ``update_state``, writing the last one into ``conv_state``), then the above.
     """
-    T = q.shape[0]
+    T, H, K = q.shape
+    if conv_weight is not None:
+        x = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=-1)  # [T, D]
+        y = short_conv_update(x, conv_weight, conv_state, conv_windows, update_state)
+        q, k, v = (z.view(T, H, -1) for z in y.split([H * K, H * K, v.shape[1] * v.shape[2]], dim=-1))
+    else:
+        assert conv_state is None and conv_windows is None, "conv_state / conv_windows need conv_weight"
     g = kda_gate(f, A_log, dt_bias, lower_bound)  # [T, H, K] fp32
     beta = torch.sigmoid(b_logits.float())  # [T, H]
     o, final, states = kda_recurrent(q, k, v, g, beta, state, scale=scale, use_qk_l2norm=True, return_states=True)
