@@ -51,6 +51,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the output is unchanged; only the drafts (and the accept length) may differ")
     g.add_argument("--enable-fp32-router", action="store_true",
                    help="run the MoE router gate in fp32 (default: the model dtype, as the seed's final config)")
+    g.add_argument("--disable-shared-experts-fusion", action="store_true",
+                   help="keep the MoE shared expert a separate MLP (two GEMM launches per MoE layer). By default, "
+                        "where it has a routed expert's width and format (Ling-3.0: 768 wide; both bf16, or both "
+                        "fp8 under --quantization fp8; not under fp8-experts) it is stacked as one more expert and "
+                        "every token routes to it with weight 1, so the routed kernels compute it (SGLang's shared "
+                        "experts fusion). Same math; the shared output is no longer rounded to the model dtype "
+                        "before the combine")
     g.add_argument("--disable-radix-cache", action="store_true",
                    help="turn the prefix cache off: every request prefills its whole prompt")
     g.add_argument("--max-total-tokens", type=int, default=None,

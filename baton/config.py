@@ -117,6 +117,10 @@ class LingConfig:
     torch_dtype: str | None = None
     model_type: str = "bailing_hybrid"
     quantization_config: dict | None = None  # {"quant_method": "fp8", "weight_block_size": [128, 128], ...}
+    # baton's, not the checkpoint's (never written to a config.json, ``config_to_dict``): the shared expert stacked
+    # with the routed ones where it can be (``shared_experts_fused``); models/build.py sets it from
+    # ``--disable-shared-experts-fusion``
+    fuse_shared_experts: bool = True
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -167,6 +171,22 @@ class LingConfig:
         (``quantization_config["baton_fp8_dense"]`` false). Router, embeddings, lm_head and MLA's kv_b_proj stay in
         the model dtype."""
         return self.fp8_experts and bool(self.quantization_config.get("baton_fp8_dense", True))
+
+    @property
+    def shared_experts_fused(self) -> bool:
+        """The shared expert computed as one more expert of the routed kernels (SGLang's "shared experts fusion"):
+        stacked as expert ``num_experts`` of every MoE layer's ``experts.w13`` / ``w2`` and routed by every row
+        with weight 1.0, so a decode step runs no separate shared MLP (its gate_up and down GEMMs: two launches per
+        MoE layer). Where it applies: ``fuse_shared_experts`` (on unless ``--disable-shared-experts-fusion``), the
+        shared expert as wide as a routed one (``num_shared_experts * moe_shared_expert_intermediate_size ==
+        moe_intermediate_size``: Ling-3.0's 1 x 768) and in the same format (both in the model dtype, or both fp8
+        with 128 x 128 block scales: not under ``--quantization fp8-experts``, where the shared expert stays in the
+        model dtype)."""
+        if not (self.fuse_shared_experts and self.num_shared_experts):
+            return False
+        if self.num_shared_experts * self.moe_shared_expert_intermediate_size != self.moe_intermediate_size:
+            return False
+        return self.fp8_experts == self.fp8_dense
 
     @property
     def fp8_activations(self) -> bool:
@@ -223,8 +243,13 @@ def load_model_config(model_path: str, overrides: str | dict | None = None) -> M
     return parse_model_config(data, overrides)
 
 
+# Model config fields that are baton's run-time choices, not config.json keys: left out of ``config_to_dict``, so a
+# written checkpoint's config.json is the same whatever they were.
+RUNTIME_FIELDS = ("fuse_shared_experts",)
+
+
 def config_to_dict(cfg: ModelConfig) -> dict[str, Any]:
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if v is not _REQUIRED}
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if v is not _REQUIRED and k not in RUNTIME_FIELDS}
 
 
 SPEC_ALGORITHMS = ("NEXTN", "EAGLE", "DSPARK", "DFLASH")
@@ -327,6 +352,7 @@ class ServerArgs:
     prefix_snapshot_stride: int = 4096  # prefix cache: recurrent-state snapshot every this many prompt tokens
     quantization: str | None = None  # QUANTIZATION_METHODS: "fp8" experts + dense, "fp8-experts" (quantised at load)
     fp8_activation_scheme: str | None = None  # FP8_ACTIVATION_SCHEMES; None: the checkpoint's, else the default
+    disable_shared_experts_fusion: bool = False  # keep the MoE shared expert a separate MLP (LingConfig docs)
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     @property

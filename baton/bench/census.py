@@ -130,14 +130,15 @@ def profile_steps(engine, num_steps: int) -> tuple[dict, float, int]:
 
 def distinct_experts(engine, num_tokens: int) -> float:
     """Mean number of distinct routed experts a verify of ``num_tokens`` tokens touches per MoE layer,
-    measured on the router of the loaded weights (eager forward over random ids)."""
+    measured on the router of the loaded weights (eager forward over random ids). A fused shared expert (every
+    row's last column) is not a routed expert and is not counted: ``step_bytes`` adds it per layer."""
     from baton.layers.moe import SparseMoE
 
     counts: list[int] = []
     moes = [m for m in engine.model.modules() if isinstance(m, SparseMoE)]
     if not moes:
         return 0.0
-    handles = [_wrap_route(m, counts) for m in moes]
+    handles = [_wrap_route(m, counts, m.shared_id) for m in moes]
     try:
         x = torch.randn(num_tokens, engine.model_config.hidden_size, device=engine.device, dtype=engine.dtype)
         with torch.inference_mode():
@@ -149,12 +150,13 @@ def distinct_experts(engine, num_tokens: int) -> float:
     return statistics.mean(counts) if counts else 0.0
 
 
-def _wrap_route(module, counts: list[int]):
+def _wrap_route(module, counts: list[int], shared_id: int | None = None):
     original = module.route
 
     def route(x):
         ids, weights = original(x)
-        counts.append(int(torch.unique(ids).numel()))
+        routed = ids if shared_id is None else ids[ids != shared_id]
+        counts.append(int(torch.unique(routed).numel()))
         return ids, weights
 
     module.route = route
@@ -170,9 +172,16 @@ def _bytes_per_expert(experts) -> float:
     return (experts.w13.nbytes + experts.w2.nbytes) / experts.w13.shape[0]
 
 
+def _fused_shared(experts) -> int:
+    """1 when the stack holds a fused shared expert (read by every step, once per layer), else 0."""
+    return int(getattr(experts, "shared_id", None) is not None)
+
+
 def step_bytes(engine, input_len: int, num_verify: int, experts_per_layer: float) -> dict[str, float]:
     """Bytes one step must move at least once: weights touched (dense once, each distinct expert once, the
-    lm_head per row set), linear-attention states read and written, the attention cache read. Every weight counts
+    lm_head per row set), linear-attention states read and written, the attention cache read. A fused shared
+    expert (stacked with the routed ones) counts once per layer among the expert bytes; unfused, its MLP is among
+    the dense weights: the total is the same. Every weight counts
     its stored bytes: under ``--quantization fp8`` the dense projections' and experts' one byte a weight plus their
     fp32 block scales (``weight_scale_inv``), the lm_head, router and norms their model dtype."""
     from baton.cache.kv import KVCache, MLACache
@@ -193,7 +202,8 @@ def step_bytes(engine, input_len: int, num_verify: int, experts_per_layer: float
         dense += lm_head
     experts = [m for n, m in model.named_modules() if isinstance(m, Experts) and not n.startswith("mtp.")]
     if experts:
-        expert_bytes = len(experts) * experts_per_layer * _bytes_per_expert(experts[0])
+        per_layer = experts_per_layer + _fused_shared(experts[0])
+        expert_bytes = len(experts) * per_layer * _bytes_per_expert(experts[0])
     state = 0
     cache_read = 0
     ctx = input_len
@@ -234,12 +244,13 @@ def _kv_bytes(cache, ctx: int) -> int:
 
 
 def draft_head_bytes(head) -> float:
-    """Bytes one T=1 forward of a NEXTN head reads: its dense weights, plus top-k experts when it has a MoE."""
+    """Bytes one T=1 forward of a NEXTN head reads: its dense weights, plus top-k experts (and a fused shared
+    expert) when it has a MoE."""
     from baton.layers.moe import Experts
 
     dense = sum(p.nbytes for n, p in head.named_parameters() if not _is_expert_weight(n) and "embed" not in n)
     top_k = max((getattr(m, "top_k", 0) for m in head.modules()), default=0)
-    routed = sum(top_k * _bytes_per_expert(m) for m in head.modules() if isinstance(m, Experts))
+    routed = sum((top_k + _fused_shared(m)) * _bytes_per_expert(m) for m in head.modules() if isinstance(m, Experts))
     return float(dense) + routed
 
 

@@ -2,6 +2,15 @@
 renormalised weights times routed_scaling_factor, fused routed experts and an unscaled shared expert,
 each with its own post-SiLU SwiGLU clamp.
 
+Shared experts fusion (SGLang's name; the default where ``LingConfig.shared_experts_fused``): the shared expert
+has a routed expert's shape and format in Ling-3.0, so it is stacked as one more expert, id ``E`` (=
+num_experts), of ``experts.w13 [E+1, 2I, d]`` / ``experts.w2 [E+1, d, I]`` (and their fp8 scales), and the router
+appends ``(E, 1.0)`` to every row's top-k: the routed kernels compute it as a pair of weight 1 (not scaled by
+routed_scaling_factor), with its own SwiGLU clamp (``shared_limit``). That saves the separate shared MLP's two
+GEMM launches per MoE layer in every decode step; the checkpoint keeps its own names for it
+(``mlp.shared_experts.{gate,up,down}_proj``, ``baton.models.checkpoint``). ``--disable-shared-experts-fusion``:
+the separate MLP, its output added in the routed kernels' epilogue (``shared_out``).
+
 Under tensor parallelism the router is replicated (every rank picks the same experts) and every expert, routed
 and shared, is split along its intermediate dimension: w13 holds this rank's gate rows then up rows, w2 the
 matching columns. Each rank adds its routed and shared partials (and, on rank 0, the residual) and the block
@@ -37,17 +46,22 @@ class Experts(nn.Module):
     """All routed experts stacked: ``w13 [E, 2I, d]`` (gate rows, then up rows) and ``w2 [E, d, I]``; ``I`` is this
     rank's part of ``inter`` (each checkpoint gate/up tensor split along rows, down along columns).
 
+    ``fused_shared``: one more expert at index ``shared_id`` = E (``w13 [E+1, 2I, d]``, ...), the MoE's shared
+    expert (the module docstring); the checkpoint loader fills it from the shared expert's own tensors.
+
     fp8: the weights are float8_e4m3fn with 128 x 128 block ``weight_scale_inv`` per checkpoint tensor, stacked as
     ``w13_scale [E, 2 * ceil(I/128), ceil(d/128)]`` (gate blocks, then up blocks) and ``w2_scale [E, ceil(d/128),
     ceil(I/128)]``; under tensor parallelism each rank's I must be a multiple of 128 so blocks do not straddle."""
 
     def __init__(self, num_experts: int, hidden_size: int, inter: int, device=None, dtype=None,
-                 fp8: bool = False) -> None:
+                 fp8: bool = False, fused_shared: bool = False) -> None:
         super().__init__()
         full_inter = inter
         inter = shard_count(inter, "moe_intermediate_size")
         self.fp8 = fp8
         self.act_fp8 = False  # fp8: w8a8 (activations quantised per token and 128 channels; models/build.py sets it)
+        self.shared_id = num_experts if fused_shared else None  # the fused shared expert's index, the last one
+        num_experts += int(fused_shared)
         wdtype = FP8_DTYPE if fp8 else dtype
         grad = not fp8  # fp8 tensors cannot require grad
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden_size, device=device, dtype=wdtype), grad)
@@ -73,15 +87,21 @@ class SparseMoE(nn.Module):
         self.top_k, self.n_group, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.renormalize, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.expert_limit = cfg.expert_swiglu_limit(layer_id)
+        self.shared_limit = cfg.shared_swiglu_limit(layer_id)
         kw = dict(device=device, dtype=dtype)
+        fused = cfg.shared_experts_fused
         self.gate = Router(cfg.hidden_size, cfg.num_experts, cfg.moe_router_enable_expert_bias, **kw)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, **kw,
-                               fp8=cfg.fp8_experts)
-        self.shared_experts = None
-        if cfg.num_shared_experts:
+                               fp8=cfg.fp8_experts, fused_shared=fused)
+        self.shared_experts = None  # the separate shared MLP (unfused); fused: experts.shared_id
+        if cfg.num_shared_experts and not fused:
             inter = cfg.moe_shared_expert_intermediate_size * cfg.num_shared_experts
-            self.shared_experts = MLP(cfg.hidden_size, inter, cfg.shared_swiglu_limit(layer_id), **kw,
-                                      fp8=cfg.fp8_dense)
+            self.shared_experts = MLP(cfg.hidden_size, inter, self.shared_limit, **kw, fp8=cfg.fp8_dense)
+
+    @property
+    def shared_id(self) -> int | None:
+        """The fused shared expert's id in ``experts`` (routed by every row with weight 1), None when unfused."""
+        return self.experts.shared_id
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, d] -> router logits [T, E] fp32. The GEMV runs in the gate weight's dtype: the model dtype by
@@ -98,29 +118,35 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor, active_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, d] -> (topk_ids [T, k], topk_weights [T, k] fp32); rows >= ``active_rows`` (a device value)
-        get id -1 and weight 0: no expert."""
+        get id -1 and weight 0: no expert. Fused shared expert: k + 1 columns, the last ``(shared_id, 1.0)`` on
+        every row (the rows past ``active_rows`` too)."""
         return select_experts(self.router_logits(x), self.gate.expert_bias, self.top_k, self.n_group,
-                              self.topk_group, self.renormalize, self.scaling, active_rows=active_rows)
+                              self.topk_group, self.renormalize, self.scaling, active_rows=active_rows,
+                              shared_id=self.shared_id)
 
     def forward(self, x: torch.Tensor, norm: RMSNorm | None = None, residual: torch.Tensor | None = None,
                 active_rows: torch.Tensor | None = None) -> torch.Tensor:
         """``[residual +] routed(norm(x)) + shared(norm(x))``, the combine accumulated in fp32. Rows >=
-        ``active_rows`` (ForwardContext.active_rows) take no routed experts: ``[residual +] shared``."""
+        ``active_rows`` (ForwardContext.active_rows) take no routed experts: ``[residual +] shared``. Fused, the
+        shared expert is one more pair of each row, summed in fp32 with the routed ones (no rounding of its output
+        to x's dtype before the residual, as the separate MLP's has): the one numerical difference."""
         h = x if norm is None else norm(x)
         topk_ids, topk_weights = self.route(h, active_rows)
         if dist.tp_size() > 1:
             return self._forward_tp(x, h, topk_ids, topk_weights, residual)
         shared = self.shared_experts(h) if self.shared_experts is not None else None
-        y = moe_experts(h, self.experts.w13, self.experts.w2, topk_ids, topk_weights, self.expert_limit,
-                        residual=residual, shared_out=shared, w13_scale=self.experts.w13_scale,
-                        w2_scale=self.experts.w2_scale, act_fp8=self.experts.act_fp8)
+        y = self._experts(h, topk_ids, topk_weights, residual, shared)
         return y.to(x.dtype)
 
+    def _experts(self, h, topk_ids, topk_weights, residual, shared) -> torch.Tensor:
+        e = self.experts
+        return moe_experts(h, e.w13, e.w2, topk_ids, topk_weights, self.expert_limit, residual=residual,
+                           shared_out=shared, w13_scale=e.w13_scale, w2_scale=e.w2_scale, act_fp8=e.act_fp8,
+                           shared_limit=self.shared_limit, shared_id=e.shared_id)
+
     def _forward_tp(self, x, h, topk_ids, topk_weights, residual) -> torch.Tensor:
-        """This rank's routed + shared partials (+ the residual on rank 0), summed over ranks once."""
+        """This rank's routed + shared partials (+ the residual on rank 0), summed over ranks once (fused: the
+        shared partial is this rank's pair of the shared expert's intermediate block)."""
         shared = self.shared_experts(h, reduce=False) if self.shared_experts is not None else None
-        y = moe_experts(h, self.experts.w13, self.experts.w2, topk_ids, topk_weights, self.expert_limit,
-                        residual=residual if dist.tp_rank() == 0 else None, shared_out=shared,
-                        w13_scale=self.experts.w13_scale, w2_scale=self.experts.w2_scale,
-                        act_fp8=self.experts.act_fp8)
+        y = self._experts(h, topk_ids, topk_weights, residual if dist.tp_rank() == 0 else None, shared)
         return dist.all_reduce(y.to(x.dtype))

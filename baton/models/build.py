@@ -75,6 +75,7 @@ def build_target(args: ServerArgs, device: torch.device, dtype: torch.dtype) -> 
         raise ConfigError(f"--model-path {path}: not a directory or a .gguf file")
     cfg = load_model_config(path, args.json_model_override_args)
     apply_quantization(cfg, args.quantization, args.fp8_activation_scheme)
+    apply_shared_experts_fusion(cfg, not args.disable_shared_experts_fusion)
     model = build_model(cfg, device, dtype)
     if isinstance(cfg, LingConfig) and cfg.fp8_activations:
         set_fp8_activations(model)
@@ -231,6 +232,14 @@ def apply_quantization(cfg: ModelConfig, quantization: str | None, activation_sc
     if activation_scheme is not None:
         q["activation_scheme"] = activation_scheme
     cfg.quantization_config = q
+
+
+def apply_shared_experts_fusion(cfg: ModelConfig, enabled: bool) -> None:
+    """``--disable-shared-experts-fusion`` (``enabled`` False) keeps the MoE shared expert a separate MLP; otherwise
+    it is stacked with the routed experts where ``LingConfig.shared_experts_fused`` says it can be. A model without
+    a MoE is left alone."""
+    if isinstance(cfg, LingConfig):
+        cfg.fuse_shared_experts = cfg.fuse_shared_experts and enabled
 
 
 def set_fp8_activations(model: torch.nn.Module, on: bool = True) -> int:

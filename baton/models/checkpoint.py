@@ -90,10 +90,12 @@ def hf_layout(model: nn.Module, prefix_map: list[tuple[str, str]] | None = None)
 
     Modules with ``hf_row_splits`` ({param attr: [(checkpoint name relative to the parent module, rows[,
     shard])]}) stack several checkpoint tensors by rows; stacked experts (``experts.w13`` / ``experts.w2``) expand
-    to one tensor per expert. Under tensor parallelism, modules record the ``Shard`` each sharded parameter (or
-    part) holds (``tp_shards`` {attr: Shard}, or the third element of a row split), and the slots say which
-    block of the checkpoint tensor to take. ``prefix_map`` renames module prefixes (e.g. ``mtp.body.`` ->
-    ``model.layers.42.``); by default the model's own ``checkpoint_prefix_map()`` is used when it has one.
+    to one tensor per expert, and a fused shared expert stacked last (``Experts.shared_id``) to the shared expert's
+    own tensors (``<parent>.shared_experts.{gate,up,down}_proj.*``, the names of the unfused shared MLP). Under
+    tensor parallelism, modules record the ``Shard`` each sharded parameter (or part) holds (``tp_shards`` {attr:
+    Shard}, or the third element of a row split), and the slots say which block of the checkpoint tensor to take.
+    ``prefix_map`` renames module prefixes (e.g. ``mtp.body.`` -> ``model.layers.42.``); by default the model's
+    own ``checkpoint_prefix_map()`` is used when it has one.
     """
     if prefix_map is None:
         prefix_map = model.checkpoint_prefix_map() if hasattr(model, "checkpoint_prefix_map") else []
@@ -114,15 +116,16 @@ def hf_layout(model: nn.Module, prefix_map: list[tuple[str, str]] | None = None)
         for attr, p in module.named_parameters(recurse=False):
             name = f"{mod_name}.{attr}" if mod_name else attr
             if name not in split_params:
-                layout.update(_param_slots(name, _rename(name, prefix_map), p, shards.get(attr)))
+                layout.update(_param_slots(name, _rename(name, prefix_map), p, shards.get(attr),
+                                           getattr(module, "shared_id", None)))
     return layout
 
 
-def _param_slots(name: str, hf: str, p: torch.Tensor, shard) -> dict[str, Slot]:
+def _param_slots(name: str, hf: str, p: torch.Tensor, shard, shared_id: int | None = None) -> dict[str, Slot]:
     """Slots of one parameter that is not a row split: stacked experts expand to one per expert."""
     attr = name.rsplit(".", 1)[-1]
     if attr in _EXPERT_SUFFIX and name.endswith(f"experts.{attr}"):
-        return _expert_slots(name, hf[: -len(attr)], attr, p, shard)
+        return _expert_slots(name, hf[: -len(attr)], attr, p, shard, shared_id)
     if shard is None:
         return {hf: Slot(name)}
     local = p.shape[shard.dim]
@@ -137,20 +140,53 @@ def _param_slots(name: str, hf: str, p: torch.Tensor, shard) -> dict[str, Slot]:
 _EXPERT_SUFFIX = {"w13": "weight", "w2": "weight", "w13_scale": "weight_scale_inv", "w2_scale": "weight_scale_inv"}
 
 
-def _expert_slots(name: str, base: str, attr: str, p: torch.Tensor, shard) -> dict[str, Slot]:
+# A fused shared expert (``Experts.shared_id``) of the experts ``<parent>.experts`` lives in the checkpoint as
+# ``<parent>.shared_experts`` (gate_proj / up_proj / down_proj, as the unfused MLP's ``hf_row_splits`` name them); its
+# dummy weights are drawn as the unfused MLP's parameters ``<parent>.shared_experts.{gate_up,down}_proj.weight``.
+SHARED_EXPERT = "shared_experts"
+_SHARED_DUMMY = {"w13": "gate_up_proj.weight", "w2": "down_proj.weight"}
+
+
+def _expert_prefix(base: str, e: int, shared_id: int | None) -> str:
+    """``base`` (``<parent>.experts.``) + the checkpoint module of expert ``e``: ``{e}``, or the shared expert's."""
+    if shared_id is not None and e == shared_id:
+        return base[: -len("experts.")] + SHARED_EXPERT
+    return f"{base}{e}"
+
+
+def _expert_slots(name: str, base: str, attr: str, p: torch.Tensor, shard,
+                  shared_id: int | None = None) -> dict[str, Slot]:
     """One slot per expert: w13 (and its scales) hold gate rows then up rows, w2 (and its scales) the down
-    projection; under tensor parallelism each keeps this rank's block along the intermediate dimension."""
+    projection; under tensor parallelism each keeps this rank's block along the intermediate dimension (the fused
+    shared expert too: the unfused shared MLP's column / row split is the same block). Expert ``shared_id`` takes
+    the shared expert's checkpoint names."""
     suffix = _EXPERT_SUFFIX[attr]
     if attr.startswith("w13"):
         half = p.shape[1] // 2
         src = _source(shard, half)
         out = {}
         for e in range(p.shape[0]):
-            out[f"{base}{e}.gate_proj.{suffix}"] = Slot(name, e, (0, half), src)
-            out[f"{base}{e}.up_proj.{suffix}"] = Slot(name, e, (half, 2 * half), src)
+            prefix = _expert_prefix(base, e, shared_id)
+            out[f"{prefix}.gate_proj.{suffix}"] = Slot(name, e, (0, half), src)
+            out[f"{prefix}.up_proj.{suffix}"] = Slot(name, e, (half, 2 * half), src)
         return out
     src = _source(shard, p.shape[2])
-    return {f"{base}{e}.down_proj.{suffix}": Slot(name, e, src=src) for e in range(p.shape[0])}
+    return {f"{_expert_prefix(base, e, shared_id)}.down_proj.{suffix}": Slot(name, e, src=src)
+            for e in range(p.shape[0])}
+
+
+def _fused_shared(model: nn.Module) -> dict[str, tuple[int, str]]:
+    """Stacked expert parameters holding a fused shared expert -> (its index, the unfused shared MLP's parameter
+    name that seeds its dummy weights), so that a fused dummy model has the unfused one's weights."""
+    out: dict[str, tuple[int, str]] = {}
+    for mod_name, module in model.named_modules():
+        shared_id = getattr(module, "shared_id", None)
+        if shared_id is None or not mod_name.endswith("experts") or "w13" not in module._parameters:
+            continue
+        parent = mod_name[: -len("experts")]
+        for attr, mlp_param in _SHARED_DUMMY.items():
+            out[f"{mod_name}.{attr}"] = (shared_id, f"{parent}{SHARED_EXPERT}.{mlp_param}")
+    return out
 
 
 def is_sharded(layout: dict[str, Slot]) -> bool:
@@ -367,19 +403,26 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, full_model: nn.Module | 
         return
     params = dict(model.named_parameters())
     layout = hf_layout(model) if any(n.endswith(".weight_scale_inv") for n in params) else {}
+    shared = _fused_shared(model)
     with torch.no_grad():
         for name, p in tqdm(list(model.named_parameters()), desc="dummy weights", unit="tensor",
                             disable=env.disable_progress(), leave=False):
             if p.device.type != "meta":
-                _init_param(name, p, seed, params, layout)
+                _init_param(name, p, seed, params, layout, shared=shared.get(name))
 
 
 def _init_param(name: str, p: torch.Tensor, seed: int, params: dict[str, torch.Tensor] | None = None,
-                layout: dict[str, Slot] | None = None, full_layout: dict[str, Slot] | None = None) -> None:
-    gen = torch.Generator(device=p.device).manual_seed(_seed_for(seed, name))
+                layout: dict[str, Slot] | None = None, full_layout: dict[str, Slot] | None = None,
+                shared: tuple[int, str] | None = None) -> None:
+    """``shared`` (stacked experts with a fused shared expert): (its index, the unfused shared MLP parameter whose
+    draw it takes): the routed experts are drawn as without it, the shared one as the unfused MLP's weight."""
     leaf = name.rsplit(".", 1)[-1]
     if leaf in ("w13_scale", "w2_scale", "weight_scale_inv"):
         return  # filled with their fp8 weights
+    if shared is not None:
+        _init_fused_experts(name, p, seed, params, *shared)
+        return
+    gen = torch.Generator(device=p.device).manual_seed(_seed_for(seed, name))
     if p.dtype == torch.float8_e4m3fn:
         if leaf in ("w13", "w2"):
             _init_fp8_experts(name, p, gen, params)
@@ -401,6 +444,27 @@ def _init_param(name: str, p: torch.Tensor, seed: int, params: dict[str, torch.T
     else:
         fan_in = p.shape[-1]
         p.normal_(0.0, fan_in**-0.5, generator=gen)
+
+
+def _init_fused_experts(name: str, p: torch.Tensor, seed: int, params: dict[str, torch.Tensor] | None,
+                        shared_id: int, mlp_name: str) -> None:
+    """Stacked experts whose expert ``shared_id`` is a fused shared expert: the routed ones drawn as a stack without
+    it, the shared one exactly as the unfused shared MLP's weight ``mlp_name`` (its generator, N(0, 1/fan_in); fp8:
+    drawn in fp32 and quantised per checkpoint part, as ``_init_fp8_dense`` does), so fused and unfused dummy models
+    hold the same weights."""
+    from baton.ops.quant import quantize_fp8_block, quantize_fp8_gate_up
+
+    scale = None if params is None else params.get(name + "_scale")
+    _init_param(name, p[:shared_id], seed, None if scale is None else {name + "_scale": scale[:shared_id]})
+    gen = torch.Generator(device=p.device).manual_seed(_seed_for(seed, mlp_name))
+    w = p[shared_id]
+    if p.dtype != torch.float8_e4m3fn:
+        w.normal_(0.0, w.shape[-1] ** -0.5, generator=gen)
+        return
+    full = torch.empty(w.shape, device=p.device, dtype=torch.float32).normal_(0.0, w.shape[-1] ** -0.5, generator=gen)
+    q, s = (quantize_fp8_gate_up if name.endswith("w13") else quantize_fp8_block)(full)
+    w.copy_(q)
+    scale[shared_id].copy_(s)
 
 
 def _init_fp8_experts(name: str, p: torch.Tensor, gen: torch.Generator, params: dict[str, torch.Tensor]) -> None:
@@ -453,6 +517,7 @@ def _slots_of(layout: dict[str, Slot]) -> dict[str, list[tuple[str, Slot]]]:
 
 def _init_dummy_sliced(model: nn.Module, full_model: nn.Module, seed: int) -> None:
     layout, full_layout = hf_layout(model), hf_layout(full_model)
+    shared = _fused_shared(full_model)
     names_of: dict[str, list[str]] = {}
     for ckpt, slot in full_layout.items():
         names_of.setdefault(slot.param, []).append(ckpt)
@@ -472,7 +537,7 @@ def _init_dummy_sliced(model: nn.Module, full_model: nn.Module, seed: int) -> No
             if name + "_scale" in full_params:  # fp8 experts: the weight and its block scales together
                 scale = full_params[name + "_scale"]
                 fulls[name + "_scale"] = torch.empty(scale.shape, dtype=scale.dtype, device=device)
-            _init_param(name, fulls[name], seed, fulls)
+            _init_param(name, fulls[name], seed, fulls, shared=shared.get(name))
             for full_name in fulls:
                 for ckpt in names_of.get(full_name, []):
                     mine = layout[ckpt]

@@ -51,7 +51,15 @@ def nextn_body_config(target_cfg: ModelConfig, **overrides) -> ModelConfig:
     data.update(num_hidden_layers=1, num_nextn_predict_layers=0, first_k_dense_replace=0, **overrides)
     for key in ("expert_swiglu_limit_list", "share_expert_swiglu_limit_list"):
         data.pop(key, None)
-    return parse_model_config(data)
+    return _follow_target(parse_model_config(data), target_cfg)
+
+
+def _follow_target(body_cfg: ModelConfig, target_cfg: ModelConfig) -> ModelConfig:
+    """The target's run-time choices that are no config.json key (``baton.config.RUNTIME_FIELDS``: the shared
+    experts fusion) apply to its NEXTN head's body too."""
+    if isinstance(body_cfg, LingConfig) and isinstance(target_cfg, LingConfig):
+        body_cfg.fuse_shared_experts = target_cfg.fuse_shared_experts
+    return body_cfg
 
 
 def load_nextn_head(path: str, target: CausalLM, device, dtype) -> NextNLayer:
@@ -66,7 +74,7 @@ def nextn_checkpoint_config(path: str, target: CausalLM) -> ModelConfig:
     data = read_draft_config(path)
     if data.get("model_type") != NEXTN_TYPE:
         raise ConfigError(f"{path}: model_type {data.get('model_type')!r} is not a NEXTN head ({NEXTN_TYPE!r})")
-    body_cfg = parse_model_config(data["body"])
+    body_cfg = _follow_target(parse_model_config(data["body"]), target.config)
     check_vocab(path, data.get("vocab_size"), target)
     if body_cfg.hidden_size != target.config.hidden_size:
         raise ConfigError(f"{path}: draft hidden_size {body_cfg.hidden_size} != target {target.config.hidden_size}")

@@ -27,6 +27,21 @@ def generate_all(engine, requests: list[tuple[list[int], dict]]) -> list[tuple[l
     return out
 
 
+def generate_all_fused(engine, requests: list[tuple[list[int], dict]]) -> list[tuple[list[int], str, int]]:
+    """``generate_all`` on a TPEngine whose ranks all stack the shared expert with the routed ones in their MoE
+    layers, the target's and the NEXTN head's (shared experts fusion; a rank without it fails the run)."""
+    assert engine.call_all(assert_shared_fused) == dist.tp_size()
+    return generate_all(engine, requests)
+
+
+def assert_shared_fused(engine) -> int:
+    """Every rank (through TPEngine.call_all): its MoE layers hold a fused shared expert; the all-reduced count of
+    the ranks that checked."""
+    assert engine.model.model.layers[1].mlp.shared_id is not None
+    assert engine.drafter is None or engine.drafter.head.body.mlp.shared_id is not None
+    return int(dist.all_reduce(torch.tensor([1.0]))[0])
+
+
 def rank_sum_plus(engine, x: float) -> float:
     """Every rank (through TPEngine.call_all): all-reduce of rank + x, so rank 0's answer proves all ran it."""
     return float(dist.all_reduce(torch.tensor([dist.tp_rank() + x]))[0])

@@ -80,6 +80,12 @@ def test_which_tensors_are_split_how(ling_path):
     inter = cfg.moe_intermediate_size
     assert layout[moe + "experts.3.up_proj.weight"].src == (0, inter // 2, inter, inter)
     assert layout[moe + "experts.3.down_proj.weight"].src == (1, inter // 2, inter, inter)
+    # the fused shared expert (the stack's last expert) is split as the routed ones, under its own names
+    e = cfg.num_experts
+    assert layout[moe + "shared_experts.up_proj.weight"].src == (0, inter // 2, inter, inter)
+    assert layout[moe + "shared_experts.up_proj.weight"].expert == e
+    assert layout[moe + "shared_experts.down_proj.weight"].src == (1, inter // 2, inter, inter)
+    assert f"{moe}experts.{e}.up_proj.weight" not in layout
     vocab = cfg.vocab_size  # 97: blocks of 49, the last one 48 rows plus a zero padding row
     assert layout["model.word_embeddings.weight"].src == (0, 49, vocab, vocab)
     assert layout["lm_head.weight"].rows == (0, 48)

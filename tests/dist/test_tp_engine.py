@@ -6,6 +6,7 @@ with ``--tp-size 2`` start the ranks themselves."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -22,7 +23,7 @@ from baton.config import ServerArgs, SpecConfig, load_model_config
 from baton.engine.engine import Engine
 from baton.engine.tp import run_tp
 from baton.models.dspark_checkpoint import write_random_dspark_draft
-from tests.dist.ranks import call_on_all, generate_all
+from tests.dist.ranks import call_on_all, generate_all, generate_all_fused
 from tests.speculative.test_dspark import _memorise_bigrams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,6 +83,18 @@ def test_ling_tp2_step_program_equals_tp1(ling_path):
     requests = [(PROMPT, {**GREEDY, "max_new_tokens": 27}), (PROMPT[:5], SAMPLED)]
     want, got = _both(ling_path, requests, algorithm="NEXTN", num_steps=4)
     assert got == want
+
+
+def test_ling_tp2_fused_shared_expert_equals_tp1_unfused(ling_path):
+    """The fused shared expert split over two ranks along its intermediate dim like the routed experts (each rank's
+    pair of it a partial sum, one all-reduce), NEXTN too (its MoE fused as well): the tokens of one rank with the
+    shared expert a separate MLP (``--disable-shared-experts-fusion``)."""
+    requests = [(PROMPT, {**GREEDY, "max_new_tokens": 20})]
+    spec = dict(algorithm="NEXTN", num_steps=3)
+    want = generate_all(Engine(dataclasses.replace(_args(ling_path, 1, **spec), disable_shared_experts_fusion=True)),
+                        _copy(requests))
+    got = run_tp(_args(ling_path, 2, **spec), generate_all_fused, (_copy(requests),), rank0_in_caller=False, timeout_s=60)
+    assert got == want and got[0][2] > 0
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,12 @@ def test_ling_layer_layout():
     assert type(model.model.layers[0].mlp).__name__ == "MLP"
     assert type(model.model.layers[1].mlp).__name__ == "SparseMoE"
     assert model.model.layers[4].mlp.expert_limit == 4.0
-    assert model.model.layers[3].mlp.shared_experts.swiglu_limit == 5.0
+    assert model.model.layers[3].mlp.shared_limit == 5.0
+    assert model.model.layers[3].mlp.shared_experts is None and model.model.layers[3].mlp.shared_id == 16  # fused
+    cfg.fuse_shared_experts = False  # --disable-shared-experts-fusion: the separate MLP
+    unfused = build_model(cfg, "meta", torch.float32)
+    assert unfused.model.layers[3].mlp.shared_experts.swiglu_limit == 5.0
+    assert unfused.model.layers[3].mlp.shared_id is None and unfused.model.layers[3].mlp.experts.w13.shape[0] == 16
     assert model.mtp.body.mlp.expert_limit == 0.0 and model.mtp.body.is_mla
 
 
@@ -122,7 +127,8 @@ def test_flash_shape_on_meta():
     assert total - mtp == 124_414_211_552  # ling3-architecture.md §8: 124.414 B main
     assert mtp == 3_072_194_048  # 3.07 B MTP
     layer = model.model.layers[2]
-    assert tuple(layer.mlp.experts.w13.shape) == (512, 1536, 2560)
+    assert tuple(layer.mlp.experts.w13.shape) == (513, 1536, 2560)  # 512 routed + the fused shared expert
+    assert layer.mlp.shared_id == 512 and model.mtp.body.mlp.shared_id == 512
     assert tuple(layer.attention.in_proj.weight.shape) == (5 * 4096 + 32, 2560)  # q|k|v|f|g|b fused
     assert tuple(model.model.layers[5].attention.kv_b_proj.weight.shape) == (8192, 512)
 

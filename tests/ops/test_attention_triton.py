@@ -163,6 +163,60 @@ def test_rope_and_cache_write_mla_latent(dtype):
     assert latent[[0, 1, 2, 3, 6, 7, 8, 10]].isnan().all()
 
 
+def bf16_ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in units of b's last place (bf16: 8 significant bits)."""
+    a, b = a.float(), b.float()
+    ulp = torch.ldexp(torch.ones_like(b), torch.frexp(b)[1] - 8)
+    return ((a - b).abs() / ulp).nan_to_num(0.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 3, 6])
+@pytest.mark.parametrize("weight_fp32", [False, True])
+def test_rope_and_cache_write_mla_norm(t, dtype, weight_fp32):
+    """kv_a_layernorm inside the launch at Ling's MLA widths (q [T, 4, 128 + 64] rotated in place, latent
+    512 + 64, interleaved RoPE, every operand a column view of one in_proj-like output): the latent row is
+    [rms_norm(c) | RoPE(k_rope)], against (a) what MLAttention did before, ``baton.ops.rmsnorm.rms_norm`` then
+    the write (fp32: the sum order only; bf16: equal but for a rare last-place flip from the sum of squares), and
+    (b) the dispatcher's PyTorch path with the same norm arguments. A weight in fp32 over bf16 values takes the
+    promoted (fp32) product, rounded once by the cache write. Other rows stay NaN; c and k are not modified."""
+    from baton.ops.rmsnorm import rms_norm
+
+    heads, nope, rdim, rank, max_len = 4, 128, 64, 512, 40
+    rope = RotaryEmbedding(rdim, 6e6, True, device=DEV)
+    gen = torch.Generator().manual_seed(7)
+    q_cols, kv_cols = heads * (nope + rdim), rank + rdim
+    y = (3 * torch.randn(t, q_cols + kv_cols + heads, generator=gen)).to(DEV, dtype)
+    q = y[:, :q_cols].view(t, heads, nope + rdim)
+    kv = y[:, q_cols : q_cols + kv_cols]
+    weight = (1 + 0.3 * torch.randn(rank, generator=gen)).to(DEV, torch.float32 if weight_fp32 else dtype)
+    eps = 1e-6
+    pos = torch.randperm(max_len, generator=gen)[:t].to(DEV)
+    latent = torch.full((max_len, rank + rdim), float("nan"), device=DEV, dtype=dtype)
+    latent_ref = latent.clone()
+    y_before, q_ref = y.clone(), q.clone()
+    tr.rope_and_cache_write(q[..., nope:], kv[:, rank:], kv[:, :rank], pos, rope.inv_freq, latent[:, rank:],
+                            latent[:, :rank], True, weight, eps)
+    want_q = attention_ops._rope_and_cache_write_torch(q_ref[..., nope:], kv[:, rank:], kv[:, :rank], pos,
+                                                       rope.inv_freq, latent_ref[:, rank:], latent_ref[:, :rank],
+                                                       True, weight, eps)
+    assert torch.equal(y[:, q_cols:], y_before[:, q_cols:]) and torch.equal(q[..., :nope], q_ref[..., :nope])
+    torch.testing.assert_close(q[..., nope:].float(), want_q.float(), **TOL[dtype])
+    old_c = rms_norm(kv[:, :rank], weight, eps).to(dtype)  # MLAttention before: kv_a_layernorm, then the write
+    got_c = latent[pos, :rank]
+    if dtype == torch.float32:
+        torch.testing.assert_close(got_c, old_c, rtol=1e-6, atol=1e-6)
+    else:
+        ulps = bf16_ulps(got_c, old_c)
+        assert ulps.max() <= 1 and (ulps > 0).float().mean() < 0.01, (ulps.max(), (ulps > 0).sum())
+    torch.testing.assert_close(latent_ref[pos, :rank].float(), old_c.float(), rtol=0, atol=0)
+    torch.testing.assert_close(latent[pos, rank:].float(), latent_ref[pos, rank:].float(), **TOL[dtype])
+    others = torch.ones(max_len, dtype=torch.bool, device=DEV)
+    others[pos] = False
+    assert latent[others].isnan().all()
+    assert not torch.equal(got_c, kv[:, :rank].to(dtype))  # the norm did something
+
+
 def test_rope_partial_rotary_and_no_q_no_v():
     """A rotary width below the head dim: the dims past it go to the cache unchanged; q and v are optional."""
     rope = RotaryEmbedding(8, 10000.0, False, device=DEV)

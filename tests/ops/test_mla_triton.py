@@ -54,16 +54,33 @@ def make_inputs(positions: list[int], num_heads: int, rank: int, rope_dim: int, 
     return [x.to(DEV, dtype) for x in (q_lat, q_rope, latent)] + [pos.to(DEV)]
 
 
-def check_mla(positions, num_heads, rank, rope_dim, max_len, dtype, **kw):
+def gate_logits_for(t: int, num_heads: int, dtype: torch.dtype, seed: int = 5) -> torch.Tensor:
+    """[T, H] logits spread over sigmoid's range, as a column view of a wider tensor (as g_proj's slice of the
+    in_proj output is)."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = 2.5 * torch.randn(t, num_heads + 3, generator=gen)
+    return wide.to(DEV, dtype)[:, 1 : 1 + num_heads]
+
+
+def head_major(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, C] with the strides of the W_UK bmm's output viewed back: (C, T * C, 1)."""
+    return x.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+def check_mla(positions, num_heads, rank, rope_dim, max_len, dtype, gated=False, **kw):
     q_lat, q_rope, latent, pos = make_inputs(positions, num_heads, rank, rope_dim, max_len, dtype)
+    gate = gate_logits_for(len(positions), num_heads, dtype) if gated else None
+    if gated:
+        q_lat = head_major(q_lat)
     end = max(positions) + 1
     scale = (rank // 4 + rope_dim) ** -0.5
     out = torch.full_like(q_lat, float("nan"))
-    got = tm.mla_decode(q_lat, q_rope, latent, pos, rank, scale, out=out, **kw)
+    got = tm.mla_decode(q_lat, q_rope, latent, pos, rank, scale, gate, out=out, **kw)
     assert got.data_ptr() == out.data_ptr() and got.dtype == dtype
-    want = naive.mla_decode(q_lat, q_rope, latent[:end], pos, rank, scale)
+    want = naive.mla_decode(q_lat, q_rope, latent[:end], pos, rank, scale, gate)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    return got
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -92,6 +109,37 @@ def test_ling_head_width(nan_workspace):
     check_mla([30, 31], 4, 512, 64, 70, torch.float32, num_splits=2, block_n=16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 6])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_gated_mla_matches_naive(t, dtype, num_splits, nan_workspace):
+    """The head-wise gate in the kernel's store (one split) or in the reduction (three): against the reference,
+    with q_lat in the W_UK product's head-major layout and strided gate logits. The gate is applied exactly once:
+    the fp32 output is the ungated kernel's times sigmoid(gate)."""
+    positions = list(range(40, 40 + t))
+    got = check_mla(positions, 5, 32, 8, 77, dtype, gated=True, num_splits=num_splits, block_n=16, block_m=16)
+    if dtype == torch.float32:
+        ungated = check_mla(positions, 5, 32, 8, 77, dtype, num_splits=num_splits, block_n=16, block_m=16)
+        gate = torch.sigmoid(gate_logits_for(t, 5, dtype))[:, :, None]
+        torch.testing.assert_close(got, ungated * gate, rtol=1e-6, atol=1e-6)
+
+
+def test_gated_ling_head_width(nan_workspace):
+    """C = 512, R = 64 with the gate, split and not."""
+    check_mla([30, 31], 4, 512, 64, 70, torch.float32, gated=True, num_splits=2, block_n=16)
+    check_mla([30, 31], 4, 512, 64, 70, torch.float32, gated=True, num_splits=1, block_n=16)
+
+
+def test_naive_gate_rounds_once():
+    """The reference's order: o_lat in fp32, times sigmoid(gate) in fp32, one rounding to q_lat's dtype."""
+    q_lat, q_rope, latent, pos = (x.cpu() for x in make_inputs([9, 10, 11], 4, 32, 8, 12, torch.bfloat16))
+    gate = gate_logits_for(3, 4, torch.bfloat16).cpu()
+    o32 = naive.mla_decode(q_lat.float(), q_rope, latent, pos, 32, 0.2)  # the same fp32 sums (bf16 values widened)
+    want = (o32 * torch.sigmoid(gate.float())[:, :, None]).to(torch.bfloat16)
+    assert torch.equal(naive.mla_decode(q_lat, q_rope, latent, pos, 32, 0.2, gate), want)
+    assert torch.equal(naive.apply_head_gate(o32, gate), o32 * naive.head_gate(gate))
+
+
 def test_cpu_dispatch_is_naive():
     q_lat, q_rope, latent, pos = (x.cpu() for x in make_inputs([6, 7], 4, 32, 8, 8, torch.float32))
     got = mla_ops.mla_decode(q_lat, q_rope, latent, pos, 32, 0.2)
@@ -108,6 +156,8 @@ def test_mla_ling_shapes(t, nan_workspace):
     positions = list(range(3001, 3001 + t))
     check_mla(positions, 32, 512, 64, 4099, torch.bfloat16)
     check_mla(positions, 32, 512, 64, 4099, torch.float32)
+    check_mla(positions, 32, 512, 64, 4099, torch.bfloat16, gated=True)
+    check_mla(positions, 32, 512, 64, 299, torch.bfloat16, gated=True, num_splits=1)
 
 
 @pytest.mark.gpu

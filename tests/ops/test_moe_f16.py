@@ -211,6 +211,28 @@ def test_direct_token_down_matches_reference(act, num_tokens, drop_from):
     torch.testing.assert_close(out.cpu(), ref, **tol)
 
 
+@pytest.mark.parametrize("act,num_tokens,align", [("e4m3", 2, "none"), ("f16", 3, "triton")])
+def test_fused_shared_expert_f16_and_token_down(act, num_tokens, align):
+    """A fused shared expert (expert 6 of 7, every row's last column, weight 1, its own clamp) on the fp16 MMA
+    (mode "f16", aligned) and on the token-down kernel (``align="none"``)."""
+    from baton.ops.moe.naive import append_shared_expert
+    from tests.ops.test_moe_w8a8 import _shared_reference
+
+    mt = _mt()
+    gen = torch.Generator().manual_seed(num_tokens + len(act))
+    _, _, q13, s13, q2, s2 = _experts(7, 160, 136, gen)
+    x = torch.randn(num_tokens, 160, generator=gen)
+    ids, w = append_shared_expert(*_routes(num_tokens, 6, 3, gen), 6)
+    res = torch.randn(num_tokens, 160, generator=gen)
+    want = _shared_reference(x, q13, s13, q2, s2, ids, w, 0.6, 1.0, act=act) + res
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    form = {"mode": "f16"} if act == "f16" else {"act_fp8": True}
+    out = mt.fused_experts_decode(to(x), to(q13), to(q2), to(ids), to(w), 0.6, residual=to(res), w13_scale=to(s13),
+                                  w2_scale=to(s2), align=align, shared_id=6, shared_limit=1.0, **form)
+    tol = dict(rtol=1e-2, atol=2e-3) if HAS_CUDA and act == "e4m3" else dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.cpu(), want, **tol)
+
+
 def test_token_down_is_the_tables_choice(monkeypatch):
     """Tiles with ``token_down`` run two launches at any T (no alignment, no combine); without it, T >= 3 takes the
     alignment and the combine."""

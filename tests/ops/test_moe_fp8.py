@@ -45,23 +45,31 @@ def _moe_triton():
 TOP_K = 3  # of the random experts below
 
 
-def _check_random_fp8_experts(mt, num_tokens: int, limit: float, add: str, **kw) -> None:
+def _check_random_fp8_experts(mt, num_tokens: int, limit: float, add: str, shared_limit: float | None = None,
+                              **kw) -> None:
     """Random fp8 experts (6 of width 136 over d = 160: several scale blocks along both axes, ragged edges; top-3
     routes) through ``mt.fused_experts_decode`` (``kw``: mode, config) with a random ``add`` ("residual" or
-    "shared_out") against the dequantised reference."""
-    from baton.ops.moe.naive import fused_experts
+    "shared_out") against the dequantised reference. ``shared_limit``: a seventh expert, a fused shared expert with
+    that SwiGLU clamp in every row's last column (weight 1), against it computed as a separate MLP."""
+    from baton.ops.linear.naive import swiglu
+    from baton.ops.moe.naive import append_shared_expert, fused_experts
 
     e, d, inter = 6, 160, 136
     gen = torch.Generator().manual_seed(num_tokens)
-    w13 = torch.randn(e, 2 * inter, d, generator=gen) * d**-0.5
-    w2 = torch.randn(e, d, inter, generator=gen) * inter**-0.5
+    n = e + (shared_limit is not None)
+    w13 = torch.randn(n, 2 * inter, d, generator=gen) * d**-0.5
+    w2 = torch.randn(n, d, inter, generator=gen) * inter**-0.5
     (q13, s13), (q2, s2) = quantize_fp8_gate_up(w13), quantize_fp8_block(w2)
     x = torch.randn(num_tokens, d, generator=gen)
     ids = torch.stack([torch.randperm(e, generator=gen)[:TOP_K] for _ in range(num_tokens)])
     weights = torch.rand(num_tokens, TOP_K, generator=gen) + 0.1
     extra = torch.randn(num_tokens, d, generator=gen)
-    ref = fused_experts(x, dequantize_fp8_gate_up(q13, s13, torch.float32), dequantize_fp8_block(q2, s2, torch.float32),
-                        ids, weights, limit) + extra
+    dq13, dq2 = dequantize_fp8_gate_up(q13, s13, torch.float32), dequantize_fp8_block(q2, s2, torch.float32)
+    ref = fused_experts(x, dq13, dq2, ids, weights, limit) + extra
+    if shared_limit is not None:
+        ref = ref + swiglu(x @ dq13[e].t(), shared_limit) @ dq2[e].t()
+        ids, weights = append_shared_expert(ids, weights, e)
+        kw = dict(kw, shared_id=e, shared_limit=shared_limit)
     to = lambda t: t.to(DEVICE)  # noqa: E731
     out = mt.fused_experts_decode(to(x), to(q13), to(q2), to(ids), to(weights), limit, **{add: to(extra)}, **kw,
                                   w13_scale=to(s13), w2_scale=to(s2))
@@ -88,6 +96,15 @@ def test_fp8_aligned_experts_match_dequantised_reference(num_tokens, mode, block
         assert num_tokens * TOP_K > mt.FP8_DIRECT_MAX_PAIRS
         cfg = None  # the table's "fp8_aligned" tiles
     _check_random_fp8_experts(mt, num_tokens, 4.0, "shared_out", mode=mode, config=cfg)
+
+
+@pytest.mark.parametrize("num_tokens,mode,limit,shared_limit", [(1, None, 0.0, 0.8), (2, "direct", 0.6, 1.0),
+                                                                 (5, "aligned", 0.6, 0.0)])
+def test_fp8_fused_shared_expert(num_tokens, mode, limit, shared_limit):
+    """fp8 experts with a fused shared expert (its own clamp) on the direct and aligned kernels."""
+    mt = _moe_triton()
+    cfg = mt.MoEConfig(up=mt.MoETile(64, 64, 4, 2), down=mt.MoETile(64, 64, 4, 2), block_m=16)
+    _check_random_fp8_experts(mt, num_tokens, limit, "residual", shared_limit, mode=mode, config=cfg)
 
 
 def test_fp8_aligned_rejects_tiles_across_scale_blocks(monkeypatch):

@@ -18,8 +18,14 @@ if not HAS_CUDA:
 pytest.importorskip("triton")
 
 import baton.ops.moe.triton as mt  # noqa: E402
+from baton.ops.linear.naive import swiglu  # noqa: E402
 from baton.ops.moe import moe_experts, select_experts  # noqa: E402
-from baton.ops.moe.naive import fused_experts, fused_experts_dense_gather, grouped_topk  # noqa: E402
+from baton.ops.moe.naive import (  # noqa: E402
+    append_shared_expert,
+    fused_experts,
+    fused_experts_dense_gather,
+    grouped_topk,
+)
 from tests.ops.triton_support import assert_graph_replays_without_sync  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") == "1" and type(mt.moe_up_direct_kernel).__name__ != "InterpretedFunction":
@@ -62,6 +68,18 @@ def _reference(x, w13, w2, ids, w, limit, residual, shared):
     y = fused_experts(x, w13, w2, ids, w, limit)
     if shared is not None:
         y = y + shared.float()
+    if residual is not None:
+        y = y + residual.float()
+    return y.to(x.dtype)
+
+
+def _fused_shared_reference(x, w13, w2, ids, w, limit, shared_limit, residual):
+    """A fused shared expert (the last of the E + 1 experts, the last column of every route) computed on its own:
+    the routed columns through ``fused_experts`` with ``limit``, the shared expert as a dense SwiGLU MLP with
+    ``shared_limit``, added in fp32."""
+    xf = x.float()
+    y = fused_experts(xf, w13.float(), w2.float(), ids[:, :-1], w[:, :-1], limit)
+    y = y + swiglu(xf @ w13[-1].float().t(), shared_limit) @ w2[-1].float().t()
     if residual is not None:
         y = y + residual.float()
     return y.to(x.dtype)
@@ -141,6 +159,37 @@ def test_experts_match_naive(dtype, mode, num_tokens, limit, with_res, with_shar
     _check(out, _reference(x, w13, w2, ids, w, limit, res, shared), dtype)
 
 
+F32, BF16 = torch.float32, torch.bfloat16
+SHARED_CASES = [  # (T, routed swiglu_limit, shared swiglu_limit, dtype, mode): one clamp off, the other on; both on
+    (1, 0.0, 0.8, F32, "direct"),  # and different (small clamps: they bite on O(1) activations)
+    (1, 0.0, 0.8, BF16, "direct"),
+    (2, 0.6, 1.0, F32, "direct"),
+    (3, 0.6, 0.0, F32, "aligned"),
+    (3, 0.6, 0.0, BF16, "hybrid"),
+    (6, 0.6, 1.0, F32, "hybrid"),
+    (6, 0.6, 1.0, BF16, "aligned"),
+]
+
+
+@pytest.mark.parametrize("num_tokens,limit,shared_limit,dtype,mode", SHARED_CASES)
+def test_experts_fused_shared_expert(num_tokens, limit, shared_limit, dtype, mode):
+    """A fused shared expert: expert E of E + 1, the last column of every row with weight 1, its own SwiGLU clamp
+    (``shared_id`` / ``shared_limit``), against the shared expert computed as a separate MLP; the reference's
+    per-pair clamp against the same."""
+    w13, w2 = _weights(dtype, E + 1)
+    ids, w = append_shared_expert(*_route(num_tokens), E)
+    x = torch.randn(num_tokens, D, device=DEVICE).to(dtype)
+    res = torch.randn(num_tokens, D, device=DEVICE).to(dtype)
+    want = _fused_shared_reference(x, w13, w2, ids, w, limit, shared_limit, res)
+    out = mt.fused_experts_decode(x, w13, w2, ids, w, limit, residual=res, mode=mode, shared_id=E,
+                                  shared_limit=shared_limit)
+    _check(out, want, dtype)
+    ref = fused_experts(x, w13, w2, ids, w, limit, shared_id=E, shared_limit=shared_limit) + res.float()
+    _check(ref.to(dtype), want, dtype)
+    one_clamp = fused_experts(x, w13, w2, ids, w, limit) + res.float()  # the clamps bite: one for all differs
+    assert not torch.allclose(one_clamp.to(dtype).float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
 @pytest.mark.parametrize("align", ["triton", "torch"])
 @pytest.mark.parametrize("mode", MODES)
 def test_experts_shared_between_tokens(mode, align):
@@ -218,6 +267,38 @@ def test_dense_gather_matches_reference():
     x = torch.randn(5, D, device=DEVICE)
     torch.testing.assert_close(fused_experts_dense_gather(x, w13, w2, ids, w, 4.0),
                                fused_experts(x, w13, w2, ids, w, 4.0), atol=1e-5, rtol=1e-5)
+
+
+def test_dense_gather_fused_shared_matches_reference():
+    w13, w2 = _weights(torch.float32, E + 1)
+    ids, w = append_shared_expert(*_shared_routes(5), E)
+    x = torch.randn(5, D, device=DEVICE)
+    torch.testing.assert_close(fused_experts_dense_gather(x, w13, w2, ids, w, 4.0, shared_id=E, shared_limit=0.0),
+                               _fused_shared_reference(x, w13, w2, ids, w, 4.0, 0.0, None), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_group,topk_group,active", [(4, 2, None), (1, 1, 3), (4, 2, 0)])
+def test_router_appends_the_shared_expert(n_group, topk_group, active):
+    """``shared_id``: k + 1 columns from the one kernel, the routed k as without it (rows past ``active_rows``:
+    id -1, weight 0) and the last ``(E, 1.0)`` on every row, active or not; ``select_experts`` the same."""
+    num_tokens = 6
+    logits = _logits(num_tokens)
+    bias = torch.randn(E, device=DEVICE) * 0.3
+    rows = None if active is None else torch.tensor([active], dtype=torch.int32, device=DEVICE)
+    ids, w = mt.grouped_topk_fused(logits, bias, TOPK, n_group, topk_group, True, 2.5, rows, shared_id=E)
+    rid, rw = mt.grouped_topk_fused(logits, bias, TOPK, n_group, topk_group, True, 2.5, rows)
+    assert ids.shape == w.shape == (num_tokens, TOPK + 1) and ids.dtype == torch.int32 and w.dtype == torch.float32
+    assert torch.equal(ids[:, :TOPK], rid)
+    torch.testing.assert_close(w[:, :TOPK], rw, atol=1e-7, rtol=1e-6)  # the renormalising sum is one block wider
+    assert (ids[:, TOPK] == E).all() and (w[:, TOPK] == 1.0).all()
+    nid, nw = grouped_topk(torch.sigmoid(logits), bias, TOPK, n_group, topk_group, True, 2.5, shared_id=E)
+    n = num_tokens if active is None else active
+    assert torch.equal(_sorted(ids[:n], w[:n])[0], _sorted(nid[:n], nw[:n])[0])
+    torch.testing.assert_close(_sorted(ids[:n], w[:n])[1], _sorted(nid[:n], nw[:n])[1], atol=1e-6, rtol=1e-5)
+    assert (ids[n:, :TOPK] == -1).all() and (w[n:, :TOPK] == 0).all()
+    sid, sw = select_experts(logits, bias, TOPK, n_group, topk_group, True, 2.5, active_rows=rows, shared_id=E)
+    assert torch.equal(_sorted(sid, sw)[0], _sorted(ids, w)[0])
+    torch.testing.assert_close(_sorted(sid, sw)[1], _sorted(ids, w)[1], atol=1e-6, rtol=1e-5)
 
 
 def test_dispatch_matches_reference():

@@ -90,6 +90,41 @@ def test_w8a8_kernel_matches_reference(num_tokens, align, drop_from, limit):
     torch.testing.assert_close(out.cpu(), ref, **TOL)
 
 
+def _shared_reference(x, q13, s13, q2, s2, ids, w, limit, shared_limit, act="e4m3"):
+    """A fused shared expert (the last expert, every row's last column) on its own: the routed columns with
+    ``limit`` plus the shared column with ``shared_limit``, each through the one-clamp reference."""
+    routed = fused_experts_w8a8(x, q13, s13, q2, s2, ids[:, :-1], w[:, :-1], limit, act=act)
+    return routed + fused_experts_w8a8(x, q13, s13, q2, s2, ids[:, -1:], w[:, -1:], shared_limit, act=act)
+
+
+@pytest.mark.parametrize("num_tokens,align,split,limit,shared_limit", [(1, None, 1, 0.0, 0.8),
+                                                                       (3, "triton", 1, 0.6, 0.0),
+                                                                       (2, None, 2, 0.6, 1.0)])
+def test_w8a8_fused_shared_expert(num_tokens, align, split, limit, shared_limit):
+    """A fused shared expert (expert 6 of 7, weight 1 in every row's last column, its own SwiGLU clamp) on the
+    w8a8 kernels: direct, aligned, and the split-K up-projection (SwiGLU in the down kernel); the references (loop
+    and capture forms) with the per-pair clamp against the same."""
+    from baton.ops.moe.naive import append_shared_expert
+
+    mt = _mt()
+    gen = torch.Generator().manual_seed(num_tokens + split)
+    _, _, q13, s13, q2, s2 = _experts(7, 160, 136, gen)
+    x = torch.randn(num_tokens, 160, generator=gen)
+    ids, w = append_shared_expert(*_routes(num_tokens, 6, 3, gen), 6)
+    res = torch.randn(num_tokens, 160, generator=gen)
+    want = _shared_reference(x, q13, s13, q2, s2, ids, w, limit, shared_limit)
+    lim = dict(shared_id=6, shared_limit=shared_limit)
+    for capturing in (False, True):
+        torch.testing.assert_close(fused_experts_w8a8(x, q13, s13, q2, s2, ids, w, limit, capturing=capturing, **lim),
+                                   want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(fused_experts_w8a8(x, q13, s13, q2, s2, ids, w, limit), want, rtol=1e-3, atol=1e-3)
+    cfg = mt.MoEConfig(up=mt.MoETile(64, 128, 4, 2, split), down=mt.MoETile(64, 128, 4, 2))
+    to = lambda t: t.to(DEVICE)  # noqa: E731
+    out = mt.fused_experts_decode(to(x), to(q13), to(q2), to(ids), to(w), limit, residual=to(res), w13_scale=to(s13),
+                                  w2_scale=to(s2), act_fp8=True, align=align, config=cfg, **lim)
+    torch.testing.assert_close(out.cpu(), want + res, **TOL)
+
+
 @pytest.mark.parametrize("tile", [(32, 2), (128, 1)])
 def test_w8a8_tiles(tile):
     mt = _mt()

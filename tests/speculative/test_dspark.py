@@ -416,8 +416,10 @@ def test_greedy_with_sps_truncation_equals_plain(tmp_path, targets, plain):
     assert _generate(engine, PROMPT) == plain["ling"]
     assert min(lengths) < 6, lengths  # the rule really truncated some rounds
     assert routed and any(n < 7 for n, _ in routed)  # the verify told the MoE its active rows
-    for n, ids in routed:  # rows past the prefix take no expert; the rows before it all route
-        assert (ids[n:] == -1).all() and (ids[:n] >= 0).all()
+    for n, ids in routed:  # rows past the prefix take no routed expert; the rows before it all route
+        assert (ids[n:, : moe.top_k] == -1).all() and (ids[:n] >= 0).all()
+        if moe.shared_id is not None:  # the fused shared expert: every row, past the prefix too
+            assert ids.shape[1] == moe.top_k + 1 and (ids[:, -1] == moe.shared_id).all()
     hist = engine.spec_stats.accept_histogram
     assert max(hist) <= max(lengths)  # no round accepted past its prefix
     assert _accepted_drafts(engine) > 0

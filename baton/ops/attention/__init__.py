@@ -18,6 +18,7 @@ import torch
 from baton.env import use_fused_attention, use_triton
 from baton.ops.attention.naive import attention as attention_naive
 from baton.ops.attention.naive import causal_mask
+from baton.ops.rmsnorm.naive import rms_norm as rms_norm_naive
 from baton.ops.rope import apply_rope, rope_cos_sin
 
 __all__ = ["attention", "causal_mask", "rope_and_cache_write", "rope_cache_attention", "triton_module",
@@ -85,20 +86,28 @@ def _half(table: torch.Tensor) -> int:
 
 def rope_and_cache_write(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor | None, positions: torch.Tensor,
                          cos_sin_or_inv_freq: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
-                         interleaved: bool) -> torch.Tensor | None:
-    """Returns RoPE(q) and writes ``k_cache[positions] = RoPE(k)``, ``v_cache[positions] = v``. The Triton kernel
-    rotates q in place and returns it; the PyTorch path returns a new tensor: callers use the return value.
-    Shapes and the two forms of ``cos_sin_or_inv_freq`` as in ``rope_cache.rope_and_cache_write``."""
+                         interleaved: bool, v_norm_weight: torch.Tensor | None = None,
+                         v_norm_eps: float = 1e-6) -> torch.Tensor | None:
+    """Returns RoPE(q) and writes ``k_cache[positions] = RoPE(k)``, ``v_cache[positions] = v``, or
+    ``rms_norm(v, v_norm_weight, v_norm_eps)`` when a weight is given (MLA: c through kv_a_layernorm on its way to
+    the latent cache, in the same launch). The Triton kernel rotates q in place and returns it; the PyTorch path
+    returns a new tensor: callers use the return value. Shapes and the two forms of ``cos_sin_or_inv_freq`` as
+    in ``rope_cache.rope_and_cache_write``."""
     impl = triton_module("baton.ops.attention.rope_cache", k)
     if impl is not None:
-        return impl.rope_and_cache_write(q, k, v, positions, cos_sin_or_inv_freq, k_cache, v_cache, interleaved)
-    return _rope_and_cache_write_torch(q, k, v, positions, cos_sin_or_inv_freq, k_cache, v_cache, interleaved)
+        return impl.rope_and_cache_write(q, k, v, positions, cos_sin_or_inv_freq, k_cache, v_cache, interleaved,
+                                         v_norm_weight, v_norm_eps)
+    return _rope_and_cache_write_torch(q, k, v, positions, cos_sin_or_inv_freq, k_cache, v_cache, interleaved,
+                                       v_norm_weight, v_norm_eps)
 
 
 def _rope_and_cache_write_torch(q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor | None,
                                 positions: torch.Tensor, cos_sin_or_inv_freq: torch.Tensor, k_cache: torch.Tensor,
-                                v_cache: torch.Tensor | None, interleaved: bool) -> torch.Tensor | None:
-    """The same in plain PyTorch, with the rotation math of ``baton.ops.rope`` (fp32 angles and rotation)."""
+                                v_cache: torch.Tensor | None, interleaved: bool,
+                                v_norm_weight: torch.Tensor | None = None,
+                                v_norm_eps: float = 1e-6) -> torch.Tensor | None:
+    """The same in plain PyTorch, with the rotation math of ``baton.ops.rope`` (fp32 angles and rotation) and the
+    norm of ``baton.ops.rmsnorm.naive.rms_norm``."""
     table = cos_sin_or_inv_freq
     if table.dim() == 2:
         cos, sin = table[positions].float().chunk(2, dim=-1)  # [T, rotary_dim / 2] each
@@ -114,6 +123,8 @@ def _rope_and_cache_write_torch(q: torch.Tensor | None, k: torch.Tensor, v: torc
     k_cache3 = k_cache if k_cache.dim() == 3 else k_cache.unsqueeze(1)
     k_cache3.index_copy_(0, positions, rotate(k3).to(k_cache.dtype))
     if v is not None:
+        if v_norm_weight is not None:
+            v = rms_norm_naive(v, v_norm_weight, v_norm_eps)
         v_cache3 = v_cache if v_cache.dim() == 3 else v_cache.unsqueeze(1)
         v_cache3.index_copy_(0, positions, (v if v.dim() == 3 else v.unsqueeze(1)).to(v_cache.dtype))
     return q

@@ -197,14 +197,18 @@ def attention_kernel(
 
 @triton.jit(do_not_specialize=["max_len", "num_splits"])
 def attention_reduce_kernel(
-    part_o_ptr, part_lse_ptr, pos_ptr, o_ptr,
-    num_queries, num_heads, max_len, num_splits, stride_o_t, stride_o_h,
+    part_o_ptr, part_lse_ptr, pos_ptr, o_ptr, gate_ptr,
+    num_queries, num_heads, max_len, num_splits, stride_o_t, stride_o_h, stride_g_t,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr, HAS_GATE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """o[t, h] = sum_s 2^(lse_s - lse_max) o_s / sum_s 2^(lse_s - lse_max) over the splits that hold keys
     (the same device-side split arithmetic as the main kernel: unwritten partials are never read). One
-    program per (row, BLOCK_DV slice) loads all its splits at once: no dependent loads."""
+    program per (row, BLOCK_DV slice) loads all its splits at once: no dependent loads.
+
+    HAS_GATE (MLA's head-wise output gate): the merged fp32 row is scaled by sigmoid(gate[t, h]) before its
+    store (``gate_ptr`` [T, H], last dim contiguous, row stride ``stride_g_t``). Without it ``gate_ptr`` and
+    ``stride_g_t`` are passed as None (constexprs), so GQA's compiled kernel is the one it always was."""
     row = tl.program_id(0)  # t * num_heads + h
     v_chunk = tl.program_id(1)
     if USE_PDL:
@@ -224,6 +228,8 @@ def attention_reduce_kernel(
     o = tl.sum(w[:, None] * o_s, axis=0) / tl.sum(w, axis=0)  # [BLOCK_DV]
     t = row // num_heads
     h = row % num_heads
+    if HAS_GATE:
+        o = o * tl.sigmoid(tl.load(gate_ptr + t.to(tl.int64) * stride_g_t + h).to(tl.float32))
     tl.store(o_ptr + t.to(tl.int64) * stride_o_t + h * stride_o_h + offs_v, o.to(o_ptr.dtype.element_ty), mask=v_ok)
 
 
@@ -243,19 +249,22 @@ def dot_options(dtype: torch.dtype) -> dict:
 
 
 def attention_reduce_fwd(part_o: torch.Tensor, part_lse: torch.Tensor, q_positions: torch.Tensor, out: torch.Tensor,
-                         max_len: int, block_n: int) -> None:
-    """Merges the split partials into ``out`` [T, H, Dv]; ``block_n`` must be the main kernel's."""
+                         max_len: int, block_n: int, gate_logits: torch.Tensor | None = None) -> None:
+    """Merges the split partials into ``out`` [T, H, Dv]; ``block_n`` must be the main kernel's. ``gate_logits``
+    [T, H] (last dim contiguous; MLA only) scales each merged row by sigmoid(gate) in fp32 before the store."""
     num_splits, _, head_dim_v = part_o.shape
     num_queries, num_heads = out.shape[0], out.shape[1]
     block_splits = triton.next_power_of_2(num_splits)
     block_dv = max(16, min(triton.next_power_of_2(head_dim_v), 4096 // block_splits))  # <= 4096 partials a program
     pdl = pdl_enabled(out.device)
     grid = (num_queries * num_heads, triton.cdiv(head_dim_v, block_dv))
+    has_gate = gate_logits is not None
     attention_reduce_kernel[grid](
-        part_o, part_lse, q_positions, out,
+        part_o, part_lse, q_positions, out, gate_logits,
         num_queries, num_heads, max_len, num_splits, out.stride(0), out.stride(1),
+        gate_logits.stride(0) if has_gate else None,
         HEAD_DIM_V=head_dim_v, BLOCK_DV=block_dv, BLOCK_N=block_n, BLOCK_T=triton.next_power_of_2(num_queries),
-        BLOCK_SPLITS=block_splits, USE_PDL=pdl,
+        BLOCK_SPLITS=block_splits, HAS_GATE=has_gate, USE_PDL=pdl,
         num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )
 

@@ -19,9 +19,14 @@ Design:
 - Split-KV exactly as in ``baton.ops.attention.triton``: num_splits is a fixed function of the shapes, the
   actual context is cut into num_splits runs of key blocks on the device, each split stores a normalised
   partial output and its log-sum-exp, and ``attention_reduce_kernel`` merges them (skipped for one split).
+- The head-wise output gate of Ling MLA (optional ``gate_logits`` [T, H]): dense(o * sigmoid(g)) per (token,
+  head) with o = o_lat @ W_UV^T linear, so the gate scales the fp32 o_lat row before its one rounding: in this
+  kernel's store with one split, in ``attention_reduce_kernel`` with several (HAS_GATE in both; off, the
+  kernels compile as they did without it). It replaces five torch kernels after the W_UV product.
 
-Layouts: q_lat [T, H, C], q_rope [T, H, R] (strided views fine, last dim contiguous), latent [S, C + R] with
-contiguous rows, q_positions [T]. Output [T, H, C] in q_lat's dtype.
+Layouts: q_lat [T, H, C], q_rope [T, H, R], gate_logits [T, H] (strided views fine, last dim contiguous: q_lat
+is the W_UK bmm's head-major output viewed as [T, H, C]), latent [S, C + R] with contiguous rows, q_positions
+[T]. Output [T, H, C] in q_lat's dtype (``out`` any such view with a contiguous last dim).
 """
 
 from __future__ import annotations
@@ -48,12 +53,12 @@ __all__ = ["mla_decode", "mla_decode_fwd", "mla_default_config"]
 
 @triton.jit(do_not_specialize=["max_len", "num_splits"])  # both vary on the eager path: no recompiles
 def mla_decode_kernel(
-    q_lat_ptr, q_rope_ptr, latent_ptr, pos_ptr, o_ptr, part_o_ptr, part_lse_ptr,
+    q_lat_ptr, q_rope_ptr, latent_ptr, pos_ptr, o_ptr, part_o_ptr, part_lse_ptr, gate_ptr,
     num_queries, num_heads, max_len, num_splits, qk_scale,
-    stride_ql_t, stride_ql_h, stride_qr_t, stride_qr_h, stride_lat_s, stride_o_t, stride_o_h,
+    stride_ql_t, stride_ql_h, stride_qr_t, stride_qr_h, stride_lat_s, stride_o_t, stride_o_h, stride_g_t,
     KV_RANK: tl.constexpr, ROPE_DIM: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, SPLIT_KV: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_GATE: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -111,7 +116,11 @@ def mla_decode_kernel(
     else:
         l_safe = tl.where(l_i > 0.0, l_i, 1.0)
         o_ptrs = o_ptr + t[:, None].to(tl.int64) * stride_o_t + head[:, None] * stride_o_h + offs_c[None, :]
-        tl.store(o_ptrs, (acc / l_safe[:, None]).to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & c_ok[None, :])
+        o = acc / l_safe[:, None]  # [M, C] fp32
+        if HAS_GATE:  # the head-wise output gate, per row: o_lat * sigmoid(gate[t, h]) in fp32
+            g = tl.load(gate_ptr + t.to(tl.int64) * stride_g_t + head, mask=row_ok, other=0.0).to(tl.float32)
+            o = o * tl.sigmoid(g)[:, None]
+        tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & c_ok[None, :])
 
 
 def mla_default_config(num_rows: int, kv_lora_rank: int, elem_bytes: int = 2) -> dict:
@@ -130,8 +139,10 @@ def mla_default_config(num_rows: int, kv_lora_rank: int, elem_bytes: int = 2) ->
 
 def mla_decode_fwd(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, q_positions: torch.Tensor,
                    kv_lora_rank: int, scale: float, out: torch.Tensor, num_splits: int, block_m: int, block_n: int,
-                   num_warps: int, num_stages: int) -> None:
-    """Launches ``mla_decode_kernel`` (and the reduction when ``num_splits`` > 1) into ``out`` [T, H, C]."""
+                   num_warps: int, num_stages: int, gate_logits: torch.Tensor | None = None) -> None:
+    """Launches ``mla_decode_kernel`` (and the reduction when ``num_splits`` > 1) into ``out`` [T, H, C]; with
+    ``gate_logits`` [T, H] (last dim contiguous) the kernel that stores the output (the main one with one split,
+    else the reduction) scales each fp32 row by sigmoid(gate[t, h]) before the store."""
     num_queries, num_heads, _ = q_lat.shape
     max_len = latent.shape[0]
     rope_dim = q_rope.shape[-1]
@@ -140,35 +151,42 @@ def mla_decode_fwd(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tens
     part_o, part_lse = (out, out) if num_splits == 1 else _workspace(num_splits, num_rows, kv_lora_rank,
                                                                      q_lat.device)
     pdl = pdl_enabled(q_lat.device)
+    gate_here = gate_logits is not None and num_splits == 1  # split-KV: the reduction applies the gate
     mla_decode_kernel[(num_tiles, num_splits)](
-        q_lat, q_rope, latent, q_positions, out, part_o, part_lse,
+        q_lat, q_rope, latent, q_positions, out, part_o, part_lse, gate_logits if gate_here else None,
         num_queries, num_heads, max_len, num_splits, float(scale) * LOG2E,
         q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), latent.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), gate_logits.stride(0) if gate_here else None,
         KV_RANK=kv_lora_rank, ROPE_DIM=rope_dim, BLOCK_C=max(16, triton.next_power_of_2(kv_lora_rank)),
         BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_T=triton.next_power_of_2(num_queries), SPLIT_KV=num_splits > 1, **dot_options(latent.dtype),
-        USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_T=triton.next_power_of_2(num_queries), SPLIT_KV=num_splits > 1, HAS_GATE=gate_here,
+        **dot_options(latent.dtype), USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     if num_splits > 1:
-        attention_reduce_fwd(part_o, part_lse, q_positions, out, max_len, block_n)
+        attention_reduce_fwd(part_o, part_lse, q_positions, out, max_len, block_n, gate_logits)
 
 
 def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, q_positions: torch.Tensor,
-               kv_lora_rank: int, scale: float, *, out: torch.Tensor | None = None, num_splits: int | None = None,
-               block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+               kv_lora_rank: int, scale: float, gate_logits: torch.Tensor | None = None, *,
+               out: torch.Tensor | None = None, num_splits: int | None = None, block_m: int | None = None,
+               block_n: int | None = None, num_warps: int | None = None,
                num_stages: int | None = None) -> torch.Tensor:
-    """q_lat [T, H, C], q_rope [T, H, R], latent [S, C + R], q_positions [T] -> o_lat [T, H, C] in q_lat's dtype.
+    """q_lat [T, H, C], q_rope [T, H, R], latent [S, C + R], q_positions [T] -> o_lat [T, H, C] in q_lat's dtype,
+    times sigmoid(gate_logits) [T, H] per (token, head) when given (in fp32, before the store).
 
     Query i attends to latent rows 0..q_positions[i]; rows past max(q_positions) are never read. The keyword
-    arguments override the shape-derived defaults (benchmarks, tests)."""
+    arguments override the shape-derived defaults (benchmarks, tests); ``out`` may be any [T, H, C] view with a
+    contiguous last dim."""
     num_queries, num_heads, c_dim = q_lat.shape
     assert c_dim == kv_lora_rank and q_rope.shape[:2] == (num_queries, num_heads), "query shapes"
     assert latent.shape[1] == kv_lora_rank + q_rope.shape[-1], f"latent rows of {latent.shape[1]} values"
     assert q_positions.shape == (num_queries,), "one position per query"
+    assert gate_logits is None or gate_logits.shape == (num_queries, num_heads), "one gate logit per (token, head)"
     q_lat = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()
     q_rope = q_rope if q_rope.stride(-1) == 1 else q_rope.contiguous()
+    if gate_logits is not None and gate_logits.stride(-1) != 1:
+        gate_logits = gate_logits.contiguous()
     latent = latent if latent.stride(-1) == 1 else latent.contiguous()
     q_positions = q_positions.contiguous()
     if out is None:
@@ -178,5 +196,7 @@ def mla_decode(q_lat: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, 
     cfg.update({key: val for key, val in overrides.items() if val is not None})
     if num_splits is None:
         num_splits = num_kv_splits(latent.shape[0], triton.cdiv(num_queries * num_heads, cfg["block_m"]))
-    mla_decode_fwd(q_lat, q_rope, latent, q_positions, kv_lora_rank, scale, out, num_splits, **cfg)
+    assert out.shape == q_lat.shape and out.stride(-1) == 1, "out [T, H, C] with a contiguous last dim"
+    mla_decode_fwd(q_lat, q_rope, latent, q_positions, kv_lora_rank, scale, out, num_splits, **cfg,
+                   gate_logits=gate_logits)
     return out

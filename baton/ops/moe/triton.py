@@ -50,6 +50,15 @@ On the H200 direct wins at T = 1; from T = 6 aligned wins clearly once routes ov
 within 5-10% of the best with independent routes (the figures are in docs/performance.md), so ``default_mode``
 picks direct for T < 3 and aligned from T = 3. The tiles come from the current GPU's table (table.py).
 
+Fused shared expert (``shared_id``; ``baton.layers.moe`` stacks the shared expert as the last expert where it has a
+routed expert's shape and format): ``grouped_topk_kernel`` writes k + 1 columns, the last ``(shared_id, 1.0)`` on
+every row, in the same launch, and the experts kernels treat it as any pair (weight 1; the combine sums it in fp32,
+then the residual, one cast). The one difference is the SwiGLU clamp: every up-projection takes the clamp of its
+program's expert (``_pair_limit``: ``shared_limit`` for ``shared_id``, else ``limit``; an off clamp is +inf there),
+compiled in only with ``PAIR_LIMIT`` (the two clamps differ), so the unfused kernels are today's. The decode step
+saves the separate shared MLP's two GEMM launches per MoE layer. Pair counts grow by T (the thresholds below are in
+pairs: 32 tokens of top-8 plus the shared pair are 288 > ``MAX_ALIGN_PAIRS``, so T > 28 aligns with torch ops).
+
 PDL (``use_pdl()``, compute capability >= 9, never in the interpreter): every kernel calls ``gdc_wait`` before its
 first load of data written by an earlier kernel and ``gdc_launch_dependents`` right after that wait. Because each
 producer triggers only after its own wait, data written two launches back (the router's ``topk_ids`` /
@@ -158,12 +167,13 @@ def default_mode(num_tokens: int) -> str:
 
 @triton.jit
 def grouped_topk_kernel(
-    logits_ptr, bias_ptr, ids_ptr, weights_ptr,  # [T, E], [E], [T, TOPK] int32, [T, TOPK] fp32
+    logits_ptr, bias_ptr, ids_ptr, weights_ptr,  # [T, E], [E], [T, TOPK + NUM_SHARED] int32 / fp32
     active_ptr,  # HAS_ACTIVE: one int, the number of leading rows that route (the rest get id -1, weight 0)
     stride_lt, scaling,
     N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
     TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
     HAS_BIAS: tl.constexpr, RENORM: tl.constexpr, HAS_ACTIVE: tl.constexpr, USE_PDL: tl.constexpr,
+    shared_id=-1, NUM_SHARED: tl.constexpr = 0,  # 1: column TOPK of every row is (shared_id, 1.0), active or not
 ):
     t = tl.program_id(0)
     g = tl.arange(0, BLOCK_G)
@@ -216,45 +226,56 @@ def grouped_topk_kernel(
         routed = t < tl.load(active_ptr)
         out_ids = tl.where(routed, out_ids, -1)
         out_w = tl.where(routed, out_w, 0.0)
-    mk = kk < TOPK
-    tl.store(ids_ptr + t * TOPK + kk, out_ids, mask=mk)
-    tl.store(weights_ptr + t * TOPK + kk, out_w, mask=mk)
+    if NUM_SHARED > 0:  # the fused shared expert: one more pair per row, weight 1 (not scaled), on every row
+        out_ids = tl.where(kk == TOPK, shared_id, out_ids)
+        out_w = tl.where(kk == TOPK, 1.0, out_w)
+    WIDTH: tl.constexpr = TOPK + NUM_SHARED
+    mk = kk < WIDTH
+    tl.store(ids_ptr + t * WIDTH + kk, out_ids, mask=mk)
+    tl.store(weights_ptr + t * WIDTH + kk, out_w, mask=mk)
 
 
 def grouped_topk_fwd(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, n_group: int,
                      topk_group: int, renormalize: bool, scaling_factor: float,
-                     active_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     active_rows: torch.Tensor | None = None, shared_id: int | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (pre-sigmoid, any float dtype). Returns (topk_ids [T, k] int32, topk_weights [T, k] fp32).
-    ``active_rows`` (one int on the device): rows from it on get id -1 and weight 0 (no expert)."""
+    ``active_rows`` (one int on the device): rows from it on get id -1 and weight 0 (no expert). ``shared_id``
+    (a fused shared expert, ``baton.layers.moe.Experts``): k + 1 columns, the last ``(shared_id, 1.0)`` on every
+    row, active or not, written by the same kernel (no extra launch)."""
     num_tokens, num_experts = logits.shape
     n_group = max(n_group, 1)
     assert num_experts % n_group == 0 and 1 <= topk_group <= n_group and 1 <= top_k <= num_experts
     logits = logits.contiguous()
     group_size = num_experts // n_group
-    ids = _empty((num_tokens, top_k), torch.int32, logits.device)
-    weights = _empty((num_tokens, top_k), torch.float32, logits.device)
+    num_shared = 0 if shared_id is None else 1
+    ids = _empty((num_tokens, top_k + num_shared), torch.int32, logits.device)
+    weights = _empty((num_tokens, top_k + num_shared), torch.float32, logits.device)
     if num_tokens == 0:
         return ids, weights
     bias = expert_bias.contiguous() if expert_bias is not None else logits
     active = active_rows if active_rows is not None else ids
     block_g, block_eg = triton.next_power_of_2(n_group), triton.next_power_of_2(group_size)
+    shared = {} if shared_id is None else dict(shared_id=int(shared_id), NUM_SHARED=1)
     grouped_topk_kernel[(num_tokens,)](
         logits, bias, ids, weights, active, logits.stride(0), float(scaling_factor),
         N_GROUP=n_group, GROUP_SIZE=group_size, BLOCK_G=block_g, BLOCK_EG=block_eg,
-        TOPK_GROUP=topk_group if n_group > 1 else 1, TOPK=top_k, BLOCK_TOPK=triton.next_power_of_2(top_k),
+        TOPK_GROUP=topk_group if n_group > 1 else 1, TOPK=top_k,
+        BLOCK_TOPK=triton.next_power_of_2(top_k + num_shared),
         HAS_BIAS=expert_bias is not None, RENORM=bool(renormalize) and top_k > 1, HAS_ACTIVE=active_rows is not None,
-        **_launch_kw(pdl_enabled(logits.device), 4 if num_experts <= 1024 else 8),
+        **shared, **_launch_kw(pdl_enabled(logits.device), 4 if num_experts <= 1024 else 8),
     )
     return ids, weights
 
 
 def grouped_topk_fused(logits: torch.Tensor, expert_bias: torch.Tensor | None, top_k: int, n_group: int,
                        topk_group: int, renormalize: bool, scaling_factor: float,
-                       active_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       active_rows: torch.Tensor | None = None, shared_id: int | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sigmoid + group-limited top-k on router logits; the selection of ``naive.grouped_topk(sigmoid(logits))``
-    (rows from ``active_rows`` on: id -1, weight 0)."""
+    (rows from ``active_rows`` on: id -1, weight 0; ``shared_id``: the appended shared-expert column)."""
     return grouped_topk_fwd(logits, expert_bias, top_k, n_group, topk_group, renormalize, scaling_factor,
-                            active_rows)
+                            active_rows, shared_id)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -269,6 +290,27 @@ def _swiglu(g, u, limit, HAS_LIMIT: tl.constexpr):
         a = tl.minimum(a, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
     return a * u
+
+
+@triton.jit
+def _pair_limit(e, limit, shared_limit, shared_id, PAIR_LIMIT: tl.constexpr):
+    """The SwiGLU clamp of expert ``e``'s pairs: ``limit``, or with PAIR_LIMIT (a fused shared expert whose clamp
+    differs from the routed experts') ``shared_limit`` for the shared expert ``shared_id``. Without PAIR_LIMIT the
+    kernel is today's (no compare, no select)."""
+    if PAIR_LIMIT:
+        limit = tl.where(e == shared_id, shared_limit, limit)
+    return limit
+
+
+def _limit_args(swiglu_limit: float, shared_limit: float = 0.0, shared_id: int | None = None) -> dict:
+    """The SwiGLU-clamp arguments of an up-projection kernel (``limit``, ``HAS_LIMIT``; with a fused shared expert
+    whose clamp differs, ``shared_limit``, ``shared_id`` and ``PAIR_LIMIT``). A clamp of 0 is off; when only one of
+    the two is on, the other is +inf in the kernel (min / max with inf is exact)."""
+    if shared_id is None or float(shared_limit) == float(swiglu_limit):
+        return dict(limit=float(swiglu_limit), HAS_LIMIT=swiglu_limit > 0)
+    on = lambda v: float(v) if v > 0 else float("inf")  # noqa: E731
+    return dict(limit=on(swiglu_limit), HAS_LIMIT=True, shared_limit=on(shared_limit), shared_id=int(shared_id),
+                PAIR_LIMIT=True)
 
 
 @triton.jit
@@ -291,6 +333,7 @@ def moe_up_direct_kernel(
     HAS_LIMIT: tl.constexpr, USE_PDL: tl.constexpr,
     s_ptr=None, stride_se=0, stride_sn=0,  # fp8: scale_inv [E, 2*ceil(I/SB), ceil(HIDDEN/SB)]: gate blocks, up blocks
     HAS_SCALE: tl.constexpr = False, SB: tl.constexpr = 128,
+    shared_limit=0.0, shared_id=-1, PAIR_LIMIT: tl.constexpr = False,  # _pair_limit
 ):
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
@@ -332,7 +375,8 @@ def moe_up_direct_kernel(
             else:
                 acc_g += wg * xk[None, :]
                 acc_u += wu * xk[None, :]
-    act = _swiglu(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), limit, HAS_LIMIT)
+    lim = _pair_limit(e, limit, shared_limit, shared_id, PAIR_LIMIT)
+    act = _swiglu(tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1), lim, HAS_LIMIT)
     tl.store(act_ptr + pair * stride_at + offs_n, act, mask=mask_n)
 
 
@@ -397,15 +441,17 @@ def _scale_args(scale: torch.Tensor | None, tile: MoETile) -> dict:
 
 
 def moe_up_direct_fwd(x: torch.Tensor, w13: torch.Tensor, flat_ids: torch.Tensor, top_k: int, swiglu_limit: float,
-                      tile: MoETile, pdl: bool, w13_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, d], w13 [E, 2I, d] (bf16, or fp8 with ``w13_scale`` block scales) , flat_ids [T*k] -> act [T*k, I]."""
+                      tile: MoETile, pdl: bool, w13_scale: torch.Tensor | None = None, shared_limit: float = 0.0,
+                      shared_id: int | None = None) -> torch.Tensor:
+    """x [T, d], w13 [E, 2I, d] (bf16, or fp8 with ``w13_scale`` block scales) , flat_ids [T*k] -> act [T*k, I]
+    (the pairs of expert ``shared_id`` clamped at ``shared_limit``: ``_limit_args``)."""
     num_pairs, inter, hidden = flat_ids.numel(), w13.shape[1] // 2, w13.shape[2]
     act = _empty((num_pairs, inter), torch.float32, x.device)
     grid = (triton.cdiv(inter, tile.block_n), num_pairs)
     moe_up_direct_kernel[grid](
         x, w13, flat_ids, act, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        float(swiglu_limit), TOPK=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
-        HAS_LIMIT=swiglu_limit > 0, **_scale_args(w13_scale, tile),
+        TOPK=top_k, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, NUM_STAGES=tile.num_stages,
+        **_limit_args(swiglu_limit, shared_limit, shared_id), **_scale_args(w13_scale, tile),
         **_launch_kw(pdl, tile.num_warps, tile.num_stages),
     )
     return act
@@ -573,6 +619,7 @@ def moe_up_aligned_kernel(
     DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_PDL: tl.constexpr,
     s_ptr=None, stride_se=0, stride_sn=0,  # fp8: scale_inv [E, 2*ceil(I/SB), ceil(HIDDEN/SB)]: gate blocks, up blocks
     HAS_SCALE: tl.constexpr = False, SB: tl.constexpr = 128,
+    shared_limit=0.0, shared_id=-1, PAIR_LIMIT: tl.constexpr = False,  # _pair_limit
 ):
     pid_n = tl.program_id(0)
     b = tl.program_id(1)
@@ -618,7 +665,7 @@ def moe_up_aligned_kernel(
         else:
             acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
             acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
-    act = _swiglu(acc_g, acc_u, limit, HAS_LIMIT)
+    act = _swiglu(acc_g, acc_u, _pair_limit(e, limit, shared_limit, shared_id, PAIR_LIMIT), HAS_LIMIT)
     tl.store(act_ptr + pair[:, None] * stride_at + offs_n[None, :], act, mask=mr[:, None] & mask_n[None, :])
 
 
@@ -772,6 +819,7 @@ def moe_up_w8a8_kernel(
     DIRECT: tl.constexpr, FP8_DOT: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_PDL: tl.constexpr,
     SB: tl.constexpr = 128, SPLIT_K: tl.constexpr = 1, stride_as=0, num_experts=1,
     PREFETCH_GROUPS: tl.constexpr = 0, ACT_F16: tl.constexpr = False,
+    shared_limit=0.0, shared_id=-1, PAIR_LIMIT: tl.constexpr = False,  # _pair_limit
 ):
     """Swap-AB: acc [2 * BLOCK_N (gate rows, then up rows), BLOCK_M (pairs)] += (w13 tile [2 * BLOCK_N, SB] e4m3)
     @ (x rows quantised per 128-K group to e4m3)^T, scaled by (weight block scale x the rows' group scales) once per
@@ -836,7 +884,7 @@ def moe_up_w8a8_kernel(
     mask_n = offs_n < INTER
     m = mask_n[:, None] & mr[None, :]
     if SPLIT_K == 1:
-        act = _swiglu(acc_g, acc_u, limit, HAS_LIMIT)
+        act = _swiglu(acc_g, acc_u, _pair_limit(e, limit, shared_limit, shared_id, PAIR_LIMIT), HAS_LIMIT)
         tl.store(act_ptr + pair[None, :] * stride_at + offs_n[:, None], act, mask=m)
     else:  # this split's partial gate | up sums, act [SPLIT_K, M, 2I]: the down kernel sums them and applies SwiGLU
         part = act_ptr + ks * stride_as + pair[None, :] * stride_at + offs_n[:, None]
@@ -853,6 +901,7 @@ def moe_down_w8a8_kernel(
     FP8_DOT: tl.constexpr, USE_PDL: tl.constexpr, SB: tl.constexpr = 128, PREFETCH: tl.constexpr = False,
     PF_LINES: tl.constexpr = 1, SPLIT_K: tl.constexpr = 1, stride_as=0, limit=0.0, HAS_LIMIT: tl.constexpr = False,
     ACT_F16: tl.constexpr = False,
+    shared_limit=0.0, shared_id=-1, PAIR_LIMIT: tl.constexpr = False,  # _pair_limit (SPLIT_K > 1: SwiGLU here)
 ):
     """Swap-AB: acc [BLOCK_N, BLOCK_M (pairs)] += (w2 tile [BLOCK_N, SB] e4m3) @ (the pairs' SwiGLU rows scaled per
     128-K group: e4m3, or fp16 with ACT_F16, as the up kernel)^T x (block scale x group scales); y = acc x the
@@ -881,6 +930,7 @@ def moe_down_w8a8_kernel(
     a_ptrs = act_ptr + pair[:, None] * stride_at + offs_k[None, :]  # [BLOCK_M, SB]
     s_row = s_ptr + e * stride_se + ((pid_n * BLOCK_N) // SB) * stride_sn
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    lim = _pair_limit(e, limit, shared_limit, shared_id, PAIR_LIMIT)  # (used by the split-K SwiGLU alone)
     for k0 in tl.range(0, INTER, SB, num_stages=NUM_STAGES):
         mk = (k0 + offs_k) < INTER
         w = tl.load(w_ptrs + k0, mask=mask_n[:, None] & mk[None, :], other=0.0)
@@ -893,7 +943,7 @@ def moe_down_w8a8_kernel(
             for sp in tl.static_range(1, SPLIT_K):
                 g += tl.load(a_ptrs + sp * stride_as + k0, mask=ma, other=0.0)
                 u += tl.load(a_ptrs + sp * stride_as + INTER + k0, mask=ma, other=0.0)
-            av = _swiglu(g, u, limit, HAS_LIMIT)
+            av = _swiglu(g, u, lim, HAS_LIMIT)
         aq, as_, w = _mma_operands(av, w, FP8_DOT, ACT_F16)
         acc += tl.dot(w, tl.trans(aq)) * (tl.load(s_row + k0 // SB) * as_)[None, :]
     acc = acc * rw[None, :]
@@ -978,12 +1028,13 @@ def fused_experts_w8a8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
                        topk_weights: torch.Tensor, swiglu_limit: float, residual: torch.Tensor | None,
                        shared_out: torch.Tensor | None, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
                        out: torch.Tensor, cfg: MoEConfig, pdl: bool, align: str | None = None,
-                       act: str = "e4m3") -> torch.Tensor:
+                       act: str = "e4m3", shared_limit: float = 0.0, shared_id: int | None = None) -> torch.Tensor:
     """The w8a8 experts (``naive.fused_experts_w8a8``'s arithmetic; ``act="f16"``: ``naive.fused_experts_fp8_f16``'s,
     fp16 activations). Under ALIGNED_MIN_TOKENS tokens: direct (the up kernel one program column per pair, no
     alignment), then down per pair and the combine, or with ``cfg.token_down`` ``moe_down_token_kernel`` (the
     down-projection with the combine per token: two launches in all); ``align="none"``: direct with the token
-    kernel at any T; else the alignment, then up, down and combine over its blocks."""
+    kernel at any T; else the alignment, then up, down and combine over its blocks. The pairs of expert
+    ``shared_id`` (a fused shared expert) take the SwiGLU clamp ``shared_limit``."""
     if act not in ("e4m3", "f16"):
         raise ValueError(f"unknown activation scaling {act!r} (e4m3, f16)")
     act_f16 = act == "f16"
@@ -1010,15 +1061,16 @@ def fused_experts_w8a8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
         meta = (flat_ids, al.sorted_pairs, al.block_expert, al.block_start, al.block_count)
         num_blocks, grid_m = al.num_blocks, al.max_blocks
     fp8_dot = not _interpreting()
+    limits = _limit_args(swiglu_limit, shared_limit, shared_id)
     # split-K: [split, M, 2I] partial gate | up sums (SwiGLU in the down kernel); else act [M, I]
     act = _empty((split, num_pairs, two_inter) if split > 1 else (num_pairs, inter), torch.float32, x.device)
     stride_as = act.stride(0) if split > 1 else 0
     stride_at = act.stride(-2)
     moe_up_w8a8_kernel[(triton.cdiv(inter, cfg.up.block_n) * split, grid_m)](
         x, w13, w13_scale, *meta, num_blocks, act, hidden, inter, x.stride(0), w13.stride(0), w13.stride(1),
-        w13_scale.stride(0), w13_scale.stride(1), stride_at, float(swiglu_limit),
+        w13_scale.stride(0), w13_scale.stride(1), stride_at,
         TOPK=top_k, BLOCK_M=block_m, BLOCK_N=cfg.up.block_n, NUM_STAGES=cfg.up.num_stages, DIRECT=direct,
-        FP8_DOT=fp8_dot, HAS_LIMIT=swiglu_limit > 0, SB=FP8_BLOCK, SPLIT_K=split, stride_as=stride_as,
+        FP8_DOT=fp8_dot, **limits, SB=FP8_BLOCK, SPLIT_K=split, stride_as=stride_as,
         num_experts=num_experts,
         PREFETCH_GROUPS=_up_prefetch_groups(hidden, split) if fp8_dot and not direct and grid_m <= num_pairs else 0,
         ACT_F16=act_f16, **_launch_kw(pdl, cfg.up.num_warps, cfg.up.num_stages),
@@ -1042,7 +1094,7 @@ def fused_experts_w8a8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
         BLOCK_M=block_m, BLOCK_N=cfg.down.block_n, NUM_STAGES=cfg.down.num_stages, DIRECT=direct, FP8_DOT=fp8_dot,
         SB=FP8_BLOCK, PREFETCH=fp8_dot and W8A8_PREFETCH,
         PF_LINES=triton.next_power_of_2(triton.cdiv(inter, 128)), SPLIT_K=split, stride_as=stride_as,
-        limit=float(swiglu_limit), HAS_LIMIT=swiglu_limit > 0, ACT_F16=act_f16,
+        **limits, ACT_F16=act_f16,
         **_launch_kw(pdl, cfg.down.num_warps, cfg.down.num_stages),
     )
     return moe_combine_fwd(y, flat_ids, top_k, shared_out, residual, out, cfg.combine, pdl)
@@ -1065,18 +1117,19 @@ def _aligned_scale_args(scale: torch.Tensor | None, tile: MoETile) -> dict:
 
 
 def moe_up_aligned_fwd(x: torch.Tensor, w13: torch.Tensor, al: AlignedPairs, top_k: int, swiglu_limit: float,
-                       tile: MoETile, pdl: bool, w13_scale: torch.Tensor | None = None) -> torch.Tensor:
+                       tile: MoETile, pdl: bool, w13_scale: torch.Tensor | None = None, shared_limit: float = 0.0,
+                       shared_id: int | None = None) -> torch.Tensor:
     """x [T, d], w13 [E, 2I, d] (bf16, or fp8 with ``w13_scale``) -> act [T*k, I] fp32 (pair order), one program
-    per (N-block, expert block)."""
+    per (N-block, expert block); the blocks of expert ``shared_id`` clamped at ``shared_limit``."""
     inter, hidden = w13.shape[1] // 2, w13.shape[2]
     act = _empty((al.sorted_pairs.numel(), inter), torch.float32, x.device)
     grid = (triton.cdiv(inter, tile.block_n), al.max_blocks)
     moe_up_aligned_kernel[grid](
         x, w13, al.sorted_pairs, al.block_expert, al.block_start, al.block_count, al.num_blocks, act,
-        hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), float(swiglu_limit),
+        hidden, inter, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         TOPK=top_k, BLOCK_M=al.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         DOT_PRECISION=_dot_precision(x.dtype if w13_scale is not None else w13.dtype), UPCAST_DOT=_interpreting(),
-        HAS_LIMIT=swiglu_limit > 0, **_aligned_scale_args(w13_scale, tile),
+        **_limit_args(swiglu_limit, shared_limit, shared_id), **_aligned_scale_args(w13_scale, tile),
         **_launch_kw(pdl, tile.num_warps, tile.num_stages),
     )
     return act
@@ -1128,7 +1181,8 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
                          shared_out: torch.Tensor | None = None, *, mode: str | None = None,
                          config: MoEConfig | None = None, align: str | None = None,
                          out: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
-                         w2_scale: torch.Tensor | None = None, act_fp8: bool = False) -> torch.Tensor:
+                         w2_scale: torch.Tensor | None = None, act_fp8: bool = False, shared_limit: float = 0.0,
+                         shared_id: int | None = None) -> torch.Tensor:
     """``[residual +] [shared_out +] sum_k topk_weights * expert_k(x)`` accumulated in fp32, returned in x's dtype.
 
     x [T, d]; w13 [E, 2I, d] (gate rows, then up rows); w2 [E, d, I]; topk_ids [T, k] (int32/int64);
@@ -1140,6 +1194,10 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     for the tensor-core fp8 forms "none" (direct at any T, no alignment: the default where the tiles say
     ``token_down``).
     No host synchronisation: safe under CUDA-graph capture.
+
+    ``shared_id``: the id of a fused shared expert stacked with the routed ones (``baton.layers.moe.Experts``; its
+    pairs are ordinary pairs, weight 1): the up-projection clamps its pairs at ``shared_limit`` and the others at
+    ``swiglu_limit`` (0: off). None: one clamp for every pair, the kernels compiled as without it.
 
     fp8 experts: w13 / w2 in float8_e4m3fn with ``w13_scale`` / ``w2_scale`` 128 x 128 block scale_inv (the Ling fp8
     checkpoint layout, baton.ops.quant): the scales are applied in registers and the sums kept in fp32; direct up to
@@ -1165,7 +1223,8 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
             x.contiguous(), w13, w2, topk_ids.contiguous(), topk_weights.contiguous(), swiglu_limit,
             residual.contiguous() if residual is not None else None,
             shared_out.contiguous() if shared_out is not None else None, w13_scale, w2_scale, out, cfg,
-            pdl_enabled(x.device), align, act="e4m3" if act_fp8 else "f16")
+            pdl_enabled(x.device), align, act="e4m3" if act_fp8 else "f16", shared_limit=shared_limit,
+            shared_id=shared_id)
     if fp8:
         mode = mode or ("direct" if num_tokens * top_k <= FP8_DIRECT_MAX_PAIRS else "aligned")
     else:
@@ -1196,7 +1255,8 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     pdl = pdl_enabled(x.device)
 
     if mode == "direct":
-        act = moe_up_direct_fwd(x, w13, flat_ids, top_k, swiglu_limit, cfg.up, pdl, w13_scale)
+        act = moe_up_direct_fwd(x, w13, flat_ids, top_k, swiglu_limit, cfg.up, pdl, w13_scale, shared_limit,
+                                shared_id)
         return moe_down_direct_fwd(act, w2, topk_ids, topk_weights, shared_out, residual, out, cfg.down, pdl,
                                    w2_scale)
 
@@ -1205,7 +1265,7 @@ def fused_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         al = moe_align_fwd(flat_ids, num_experts, cfg.block_m, pdl)
     else:
         al = moe_align_torch(flat_ids, num_experts, cfg.block_m)
-    act = moe_up_aligned_fwd(x, w13, al, top_k, swiglu_limit, cfg.up, pdl, w13_scale)
+    act = moe_up_aligned_fwd(x, w13, al, top_k, swiglu_limit, cfg.up, pdl, w13_scale, shared_limit, shared_id)
     if mode == "hybrid":
         return moe_down_direct_fwd(act, w2, topk_ids, topk_weights, shared_out, residual, out, direct_cfg.down, pdl,
                                    w2_scale)

@@ -1,7 +1,8 @@
 """RMSNorm in one Triton kernel (one program per row), for the norms that are not fused into a linear's prologue:
-the NEXTN head's enorm / hnorm / final norm, the target's final norm before the NEXTN head, MLA's kv_a norm,
-DSpark's norms. The PyTorch form (``naive.rms_norm``) is ~6 kernels (cast, square, mean, rsqrt, two
-multiplies), each a launch gap at batch 1 (the SmolLM2 NEXTN step census in docs/performance.md counts them).
+the NEXTN head's enorm / hnorm / final norm, the target's final norm before the NEXTN head, DSpark's norms (MLA's
+kv_a_layernorm runs inside ``rope_and_cache_write``, with this arithmetic). The PyTorch form (``naive.rms_norm``)
+is ~6 kernels (cast, square, mean, rsqrt, two multiplies), each a launch gap at batch 1 (the SmolLM2 NEXTN step
+census in docs/performance.md counts them).
 
 Same arithmetic as the reference: the row normalised in fp32, rounded to x's dtype, then times the weight in
 the promoted dtype of the two (the product of two bf16 values is exact in fp32, so rounding it once matches
