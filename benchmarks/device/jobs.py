@@ -223,9 +223,15 @@ JOBS: list[Job] = [
                      "tests compiled, then the fused launch against the former conv + recurrence (+ norm) at "
                      "Ling-3.0-flash's shapes, T = 1, 6, 17, inside CUDA graphs",
         commands=(f"set -o pipefail; {PYTEST} tests/ops/test_kda_conv_triton.py tests/ops/test_kda_triton.py "
-                  "tests/ops/test_state_commit.py --junitxml=$R/junit_kda_fused.xml 2>&1 | tee $R/tests_kda_fused.log",
+                  "tests/ops/test_state_commit.py tests/ops/test_mla_triton.py tests/ops/test_attention_triton.py "
+                  "tests/models/test_mla_layer.py tests/models/test_shared_fusion.py "
+                  "--junitxml=$R/junit_kda_fused.xml 2>&1 | tee $R/tests_kda_fused.log",
                   "set -o pipefail; python3 -m benchmarks.ops.bench_kda fused 2>&1 | tee $R/bench_kda_fused.log"),
-        gpus=1, limit_s=200, outputs=("junit_kda_fused.xml", "tests_kda_fused.log", "bench_kda_fused.log")),
+        gpus=1, limit_s=260, outputs=("junit_kda_fused.xml", "tests_kda_fused.log", "bench_kda_fused.log")),
+    Job("ling18-fp8-nextn", "18 Ling layers in fp8 (fits an H100): the NEXTN (5, 1, 6) step at simulated 3.25 with "
+                            "its census (kernels a step by category, after the KDA / MLA / shared-expert fusions)",
+        commands=(ling(18, "--quantization fp8 --modes nextn --enable-fp8-draft-lm-head"),),
+        gpus=1, limit_s=240, outputs=("ling_flash_*.json",)),
     Job("moe-f16", "issue 22 item 3: the fp8 experts on the fp16 MMA (mode 'f16': the w8a8 kernels with fp16 "
                    "activations, 3.0 SASS instructions a weight against the direct kernels' 4.7-9.3): its kernel "
                    "tests compiled, then T = 1, 6, 17 against the direct kernels with its tile sweep written into "
