@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
+from safetensors.torch import load_file
 
 from baton.config import parse_model_config
 from baton.layers.context import ModelRunner
@@ -52,3 +55,12 @@ def record_figure(name: str, **values) -> None:
     if path:
         with open(path, "a") as f:
             f.write(json.dumps({"test": name, **values}) + "\n")
+
+
+def checkpoint_tensors(path: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in a checkpoint folder, by name."""
+    out = {}
+    for fn in os.listdir(path):
+        if fn.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, fn)))
+    return out

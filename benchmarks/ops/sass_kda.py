@@ -14,17 +14,21 @@ Runs on any machine with Triton's NVIDIA backend (its bin/ holds ptxas and cuobj
 from __future__ import annotations
 
 import argparse
-import collections
-import inspect
 import json
 import os
-import re
 import sys
 from dataclasses import asdict, dataclass
 
 import torch
 
-from benchmarks.ops.sass_linear import TYPES, available, disassemble, instructions, nvidia_bin
+from benchmarks.ops.sass_linear import (
+    available,
+    compile_kernel,
+    disassemble,
+    instructions,
+    nvidia_bin,
+    opcode_histogram,
+)
 
 
 @dataclass
@@ -39,38 +43,6 @@ class Report:
     spill_instructions: int
     instructions: int
     top: dict
-
-
-def _signature(kernel, args: tuple, kwargs: dict):
-    """The kernel's signature, constexprs and hints as the JIT specialises the launch: tensors by dtype (16-byte
-    aligned ones marked), ints equal to 1 as constexprs, ints divisible by 16 marked, floats fp32."""
-    names = list(inspect.signature(kernel.fn).parameters)
-    sig, const, aligned = {}, {}, []
-    for name, value in zip(names, args, strict=False):
-        if isinstance(value, torch.Tensor):
-            sig[name] = "*" + TYPES[value.dtype]
-            if value.data_ptr() % 16 == 0:
-                aligned.append(name)
-        elif isinstance(value, bool):
-            sig[name] = "i1"
-        elif isinstance(value, int):
-            if value == 1:
-                sig[name], const[name] = "constexpr", 1
-            else:
-                sig[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-                if value % 16 == 0:
-                    aligned.append(name)
-        else:
-            sig[name] = "fp32"
-    options = {}
-    for name, value in kwargs.items():
-        if name in ("num_warps", "num_stages"):
-            options[name] = value
-        elif name != "launch_pdl":
-            sig[name], const[name] = "constexpr", value
-    idx = {n: i for i, n in enumerate(names)}
-    return sig, {(idx[n],): v for n, v in const.items()}, {(idx[n],): [["tt.divisibility", 16]] for n in aligned}, \
-        options
 
 
 def layer_launch(T: int, H: int, K: int, V: int, W: int, dtype: torch.dtype, staged: bool, conv: bool,
@@ -96,29 +68,16 @@ def layer_launch(T: int, H: int, K: int, V: int, W: int, dtype: torch.dtype, sta
 def analyse(T: int, staged: bool, conv: bool, H: int = 32, K: int = 128, V: int = 128, W: int = 4,
             dtype: torch.dtype = torch.bfloat16, arch: int = 90, pdl: bool = True, dump: str | None = None,
             block_v: int | None = None, num_warps: int | None = None) -> Report:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from baton.ops.kda import triton as tk
 
     _, args, kwargs = layer_launch(T, H, K, V, W, dtype, staged, conv, pdl, block_v, num_warps)
-    sig, const, attrs, options = _signature(tk.kda_recurrent_fused_kernel, args, kwargs)
-    compiled = triton.compile(ASTSource(tk.kda_recurrent_fused_kernel, sig, const, attrs),
-                              target=GPUTarget("cuda", arch, 32), options=options)
+    compiled = compile_kernel(tk.kda_recurrent_fused_kernel, args, kwargs, arch)
     mode = "verify" if staged else ("decode" if T == 1 else "extend")
     work = dump or os.path.join("/tmp", f"sass_kda_{os.getpid()}")
     os.makedirs(work, exist_ok=True)
-    sass, regs = disassemble(compiled.asm["cubin"], work)
-    tool = os.path.join(nvidia_bin(), "cuobjdump")
-    import subprocess
-
-    res = subprocess.run([tool, "-res-usage", os.path.join(work, "kernel.cubin")], capture_output=True, text=True,
-                         check=True).stdout
-    m = re.search(r"STACK:(\d+)", res)
-    stack = int(m.group(1)) if m else -1
+    sass, regs, stack = disassemble(compiled.asm["cubin"], work)
     instrs = instructions(sass)
-    ops = collections.Counter(re.sub(r"^@!?U?P[T\d]+\s+", "", ins).split()[0].split(".")[0] for _, ins in instrs)
+    ops = opcode_histogram(instrs)
     if dump:
         stem = f"kda_{mode}_t{T}{'_conv' if conv else ''}"
         for ext, text in (("sass", sass), ("ttgir", compiled.asm["ttgir"]), ("ptx", compiled.asm["ptx"])):

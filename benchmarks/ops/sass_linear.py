@@ -61,14 +61,13 @@ class Report:
         return self.loop_instructions / self.weights_per_trip if self.weights_per_trip else float("nan")
 
 
-def _signature(plan):
-    """``linear_kernel``'s signature, constexprs and hints for the plan's arguments, as the JIT specialises them:
-    tensors by dtype (16-byte aligned ones marked), ints equal to 1 as constexprs, ints divisible by 16 marked."""
-    from baton.ops.linear.triton import linear_kernel
-
-    names = list(inspect.signature(linear_kernel.fn).parameters)
+def signature(kernel, args: tuple, kwargs: dict):
+    """A Triton kernel's signature, constexprs and hints for a launch's arguments, as the JIT specialises them:
+    tensors by dtype (16-byte aligned ones marked), None and ints equal to 1 as constexprs, ints divisible by 16
+    marked, floats fp32; keyword arguments are constexprs but for the launch options."""
+    names = list(inspect.signature(kernel.fn).parameters)
     sig, const, aligned = {}, {}, []
-    for name, value in zip(names, plan.args, strict=False):
+    for name, value in zip(names, args, strict=False):
         if isinstance(value, torch.Tensor):
             sig[name] = "*" + TYPES[value.dtype]
             if value.data_ptr() % 16 == 0:
@@ -87,7 +86,7 @@ def _signature(plan):
         else:
             sig[name] = "fp32"
     options = {}
-    for name, value in plan.kwargs.items():
+    for name, value in kwargs.items():
         if name in ("num_warps", "num_stages"):
             options[name] = value
         elif name != "launch_pdl":
@@ -97,29 +96,33 @@ def _signature(plan):
         options
 
 
-def compile_plan(plan, arch: int = 90):
-    """The compiled kernel (``.asm``: ttgir, ptx, cubin) of ``plan`` for sm_``arch``."""
+def compile_kernel(kernel, args: tuple, kwargs: dict, arch: int = 90):
+    """The compiled ``kernel`` (``.asm``: ttgir, ptx, cubin) for one launch's arguments, for sm_``arch``."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    sig, const, attrs, options = signature(kernel, args, kwargs)
+    return triton.compile(ASTSource(kernel, sig, const, attrs), target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def compile_plan(plan, arch: int = 90):
+    """The compiled ``linear_kernel`` of a ``launch_plan`` for sm_``arch``."""
     from baton.ops.linear.triton import linear_kernel
 
-    sig, const, attrs, options = _signature(plan)
-    src = ASTSource(linear_kernel, sig, const, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    return compile_kernel(linear_kernel, plan.args, plan.kwargs, arch)
 
 
-def disassemble(cubin: bytes, work: str) -> tuple[str, int]:
-    """(SASS text, registers per thread) of a cubin, through Triton's cuobjdump."""
+def disassemble(cubin: bytes, work: str) -> tuple[str, int, int]:
+    """(SASS text, registers per thread, stack bytes per thread) of a cubin, through Triton's cuobjdump."""
     path = os.path.join(work, "kernel.cubin")
     with open(path, "wb") as f:
         f.write(cubin)
     tool = os.path.join(nvidia_bin(), "cuobjdump")
     sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True, check=True).stdout
     res = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
-    m = re.search(r"REG:(\d+)", res)
-    return sass, int(m.group(1)) if m else -1
+    m, st = re.search(r"REG:(\d+)", res), re.search(r"STACK:(\d+)", res)
+    return sass, int(m.group(1)) if m else -1, int(st.group(1)) if st else -1
 
 
 def instructions(sass: str) -> list[tuple[int, str]]:
@@ -143,11 +146,11 @@ def longest_loop(instrs: list[tuple[int, str]]) -> tuple[int, int] | None:
     return max(loops, key=lambda t: t[1] - t[0]) if loops else None
 
 
-def opcode_histogram(instrs: list[tuple[int, str]], lo: int, hi: int) -> collections.Counter:
-    """Opcodes (without modifiers or predicates) between two addresses."""
+def opcode_histogram(instrs: list[tuple[int, str]], lo: int = 0, hi: int | None = None) -> collections.Counter:
+    """Opcodes (without modifiers or predicates) between two addresses (default: the whole kernel)."""
     c = collections.Counter()
     for addr, ins in instrs:
-        if lo <= addr <= hi:
+        if lo <= addr and (hi is None or addr <= hi):
             op = re.sub(r"^@!?U?P[T\d]+\s+", "", ins).split()[0]
             c[op.split(".")[0]] += 1
     return c
@@ -174,7 +177,7 @@ def analyse(spec: str, table: str | None = None, arch: int = 90, dump: str | Non
     kernel = compile_plan(plan, arch)
     work = dump or os.path.join("/tmp", f"sass_linear_{os.getpid()}")
     os.makedirs(work, exist_ok=True)
-    sass, regs = disassemble(kernel.asm["cubin"], work)
+    sass, regs, _ = disassemble(kernel.asm["cubin"], work)
     if dump:
         stem = spec.replace(":", "_")
         for ext, text in (("sass", sass), ("ttgir", kernel.asm["ttgir"]), ("ptx", kernel.asm["ptx"])):

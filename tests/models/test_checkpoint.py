@@ -15,6 +15,7 @@ from baton.config import load_model_config
 from baton.models.build import build_model
 from baton.models.checkpoint import CheckpointError, load_safetensors
 from tests.conftest import TINY_LING, TINY_LLAMA
+from tests.helpers import checkpoint_tensors
 
 
 def _write(tmp_path, cfg_dict, max_shard_mb=2048.0) -> str:
@@ -26,19 +27,12 @@ def _write(tmp_path, cfg_dict, max_shard_mb=2048.0) -> str:
     return out
 
 
-def _all_tensors(path: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for fn in os.listdir(path):
-        if fn.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, fn)))
-    return out
-
 
 @pytest.mark.parametrize("cfg_dict", [TINY_LING, TINY_LLAMA], ids=["ling", "llama"])
 def test_round_trip_bit_exact(tmp_path, cfg_dict):
     path = _write(tmp_path, cfg_dict, max_shard_mb=0.05)  # forces several shards + an index
     assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
-    tensors = _all_tensors(path)
+    tensors = checkpoint_tensors(path)
     if cfg_dict["model_type"] == "bailing_hybrid":
         n = cfg_dict["num_hidden_layers"]
         assert "model.layers.1.mlp.experts.15.down_proj.weight" in tensors

@@ -21,7 +21,7 @@ from baton.models.checkpoint import CheckpointError, hf_layout, init_dummy_weigh
 from baton.ops.quant import FP8_DTYPE
 from tests.conftest import TINY_LING
 from tests.dist.ranks import generate_all
-from tests.helpers import full_logits
+from tests.helpers import checkpoint_tensors, full_logits
 
 E = TINY_LING["num_experts"]
 # per layer (routed, shared) SwiGLU clamps: (0, 0.8), (0.5, 0), (0, 0.7), (0.6, 1.0), (0.5, 0.5); small enough to
@@ -139,13 +139,6 @@ def test_fused_route_appends_the_shared_column():
 # ---- checkpoints ----
 
 
-def _tensors(path: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for fn in os.listdir(path):
-        if fn.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, fn)))
-    return out
-
 
 def test_checkpoint_round_trip_keeps_the_shared_expert_names(tmp_path):
     """An unfused model's checkpoint (the HF names: ``mlp.shared_experts.{gate,up,down}_proj``) loads into the
@@ -154,7 +147,7 @@ def test_checkpoint_round_trip_keeps_the_shared_expert_names(tmp_path):
     unfused = _model(cfg, seed=2)
     path = str(tmp_path / "ckpt")
     save_hf_checkpoint(unfused, cfg, path)
-    tensors = _tensors(path)
+    tensors = checkpoint_tensors(path)
     n = TINY_LING["num_hidden_layers"]
     for layer in (1, n):  # a MoE layer and the MTP layer
         assert f"model.layers.{layer}.mlp.shared_experts.gate_proj.weight" in tensors
@@ -169,7 +162,7 @@ def test_checkpoint_round_trip_keeps_the_shared_expert_names(tmp_path):
     torch.testing.assert_close(full_logits(fused, ids), full_logits(unfused, ids), atol=1e-5, rtol=1e-5)
     again = str(tmp_path / "again")
     save_hf_checkpoint(fused, fused_cfg, again)
-    back = _tensors(again)
+    back = checkpoint_tensors(again)
     assert back.keys() == tensors.keys() and all(torch.equal(back[k], tensors[k]) for k in tensors)
     # --quantization fp8 of the bf16 checkpoint: the shared expert quantised at load exactly as the dense MLP's parts
     q_cfg, uq_cfg = _cfg(True, "fp8"), _cfg(False, "fp8")
@@ -184,7 +177,7 @@ def test_checkpoint_round_trip_keeps_the_shared_expert_names(tmp_path):
     torch.testing.assert_close(full_logits(q, ids), full_logits(uq, ids), atol=1e-5, rtol=1e-5)
     fp8_path = str(tmp_path / "fp8")  # an fp8 checkpoint (weights and weight_scale_inv) written from the fused model
     save_hf_checkpoint(q, q_cfg, fp8_path)
-    fp8 = _tensors(fp8_path)
+    fp8 = checkpoint_tensors(fp8_path)
     assert fp8["model.layers.4.mlp.shared_experts.up_proj.weight"].dtype == FP8_DTYPE
     assert "model.layers.4.mlp.shared_experts.up_proj.weight_scale_inv" in fp8
     q2 = build_model(load_model_config(fp8_path), "cpu", torch.float32)

@@ -64,7 +64,6 @@ __all__ = [
     "default_block_v",
     "gated_rms_norm_fwd",
     "kda_recurrent_fused",
-    "kda_recurrent_fused_fwd",
     "launch_plan",
     "pdl_enabled",
 ]
@@ -494,36 +493,6 @@ def launch_plan(
     return (H, nv), args, kwargs
 
 
-def kda_recurrent_fused_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    f: torch.Tensor,
-    b_logits: torch.Tensor,
-    A_log: torch.Tensor,
-    dt_bias: torch.Tensor,
-    lower_bound: float | None,
-    state: torch.Tensor,
-    scale: float | None,
-    o: torch.Tensor,
-    out_states: torch.Tensor | None,
-    update_state: bool,
-    o_norm_weight: torch.Tensor | None,
-    gate: torch.Tensor | None,
-    eps: float,
-    block_v: int,
-    num_warps: int,
-    conv_weight: torch.Tensor | None = None,
-    conv_state: torch.Tensor | None = None,
-    conv_windows: torch.Tensor | None = None,
-) -> None:
-    """Launches ``kda_recurrent_fused_kernel`` into ``o`` [T, H, V] (one launch: conv, recurrence and norm)."""
-    grid, args, kwargs = launch_plan(q, k, v, f, b_logits, A_log, dt_bias, lower_bound, state, scale, o, out_states,
-                                     update_state, o_norm_weight, gate, eps, block_v, num_warps, conv_weight,
-                                     conv_state, conv_windows, pdl_enabled(q.device))
-    kda_recurrent_fused_kernel[grid](*args, **kwargs)
-
-
 def kda_recurrent_fused(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -602,6 +571,8 @@ def kda_recurrent_fused(
     bv, nw = default_block_v(T, H, V, staged=out_states is not None)
     bv = bv if block_v is None else block_v
     nw = nw if num_warps is None else num_warps
-    kda_recurrent_fused_fwd(q, k, v, f, b_logits, A_log, dt_bias, lower_bound, state, scale, out, out_states,
-                            update_state, o_norm_weight, gate, eps, bv, nw, conv_weight, conv_state, conv_windows)
+    grid, args, kwargs = launch_plan(q, k, v, f, b_logits, A_log, dt_bias, lower_bound, state, scale, out, out_states,
+                                     update_state, o_norm_weight, gate, eps, bv, nw, conv_weight, conv_state,
+                                     conv_windows, pdl_enabled(q.device))
+    kda_recurrent_fused_kernel[grid](*args, **kwargs)  # one launch: conv, recurrence and norm
     return out
