@@ -32,7 +32,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel ranks: one process per GPU, started by this command; rank 0 serves")
     g.add_argument("--disable-cuda-graph", action="store_true",
-                   help="run the step program uncaptured on CUDA (the same bodies, no CUDA graphs; for debugging)")
+                   help="run the step program uncaptured on CUDA (the same bodies, no CUDA graphs; for debugging); "
+                        "short prefills run eagerly too")
+    g.add_argument("--disable-prefill-cuda-graph", action="store_true",
+                   help="run every prefill eagerly on CUDA. By default a prefill of at most "
+                        "--cuda-graph-max-tokens-prefill tokens (a short prompt, or what a prefix-cache hit leaves "
+                        "of a follow-up turn) replays a CUDA graph captured at start-up, padded to the next of 16, "
+                        "32, 64, 96, 128, 192, 256 ... tokens: the same forward without its host launch cost")
+    g.add_argument("--cuda-graph-max-tokens-prefill", type=int, default=256,
+                   help="the longest prefill that replays a captured graph (0: none); each bucket up to it costs "
+                        "start-up time (two warm-up forwards and a capture) and its activations' memory")
     g.add_argument("--quantization", default=None, choices=["fp8", "fp8-experts"],
                    help="fp8: routed experts and every dense projection (attention, shared expert, dense MLP, MTP) in "
                         "fp8 e4m3 with 128x128 block scales, quantised at load from a bf16 checkpoint (fp8 checkpoints "

@@ -332,6 +332,8 @@ class ServerArgs:
     seed: int = 0
     tp_size: int = 1
     disable_cuda_graph: bool = False
+    disable_prefill_cuda_graph: bool = False
+    cuda_graph_max_tokens_prefill: int = 256
     mem_fraction_static: float | None = None
     host: str = "127.0.0.1"
     port: int = 30000

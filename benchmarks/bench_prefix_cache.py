@@ -60,12 +60,19 @@ def run_mode(args, spec: dict) -> dict:
     follow = first + answer + new
     timed_request(engine, follow, 4)
     engine.flush_cache()
-    turn1_on, turn1_off, cached, cold, hits = [], [], [], [], []
+    turn1_on, turn1_off, cached, cached_eager, cold, hits = [], [], [], [], [], []
+    graphs = engine.prefill_graphs
     for _ in range(args.repeats):
         engine.flush_cache()
         turn1_on.append(timed_request(engine, first, args.output_len))
         cached.append(timed_request(engine, follow, args.output_len))
         hits.append(engine.last_cached_tokens)
+        if graphs is not None:  # A/B in the same engine: the follow-up's rest as the eager prefill
+            engine.flush_cache()
+            timed_request(engine, first, args.output_len)
+            engine.prefill_graphs = None
+            cached_eager.append(timed_request(engine, follow, args.output_len))
+            engine.prefill_graphs = graphs
         engine.flush_cache()
         cold.append(timed_request(engine, follow, args.output_len))
         engine.prefix_cache = None
@@ -82,11 +89,14 @@ def run_mode(args, spec: dict) -> dict:
     record = {
         "spec": spec, "cached_tokens": hits,
         "followup_ttft_cached_ms": _median(cached, "ttft_ms"), "followup_ttft_cold_ms": _median(cold, "ttft_ms"),
+        "followup_ttft_cached_eager_prefill_ms": _median(cached_eager, "ttft_ms") if cached_eager else None,
+        "prefill_graph_buckets": list(graphs.buckets) if graphs is not None else [],
         "turn1_ttft_cache_on_ms": _median(turn1_on, "ttft_ms"),
         "turn1_ttft_cache_off_ms": _median(turn1_off, "ttft_ms"),
         "tpot_cache_on_ms": _median(tpot_on, "tpot_ms"), "tpot_cache_off_ms": _median(tpot_off, "tpot_ms"),
         "prefix_cache_after_conversation": held,
-        "runs": {"turn1_on": turn1_on, "turn1_off": turn1_off, "cached": cached, "cold": cold,
+        "runs": {"turn1_on": turn1_on, "turn1_off": turn1_off, "cached": cached, "cached_eager": cached_eager,
+                 "cold": cold,
                  "tpot_on": tpot_on, "tpot_off": tpot_off},
     }
     record["ratio"] = record["followup_ttft_cached_ms"] / record["followup_ttft_cold_ms"]

@@ -87,6 +87,7 @@ class Engine:
         self._sim_generator = torch.Generator().manual_seed(args.seed)
         self._observers: list[Callable[[RequestTrace], None]] = []
         self.program = self._make_program()
+        self.prefill_graphs = self._make_prefill_graphs()
         self.depth_policy = self._make_policy()
         self.prefix_cache = self._make_prefix_cache()
         self.last_cached_tokens = 0  # the last request's prompt tokens restored from the prefix cache
@@ -125,6 +126,26 @@ class Engine:
         capture = self.device.type == "cuda" and not self.server_args.disable_cuda_graph
         return StepProgram(self.model, self.runner.cache, self.drafter, self.num_draft_tokens, self.dtype,
                            self.device, depths=depths, sim_table=sim_table, capture=capture)
+
+    def _make_prefill_graphs(self):
+        """Short prefills as captured graphs (engine/prefill_graph.py): on CUDA with graphs on, unless
+        --disable-prefill-cuda-graph or --cuda-graph-max-tokens-prefill 0. Captured here, before any request."""
+        from baton.engine.prefill_graph import PrefillGraphs, prefill_buckets
+
+        args = self.server_args
+        if args.cuda_graph_max_tokens_prefill < 0:
+            raise ConfigError("--cuda-graph-max-tokens-prefill must be >= 0")
+        if self.device.type != "cuda" or args.disable_cuda_graph or args.disable_prefill_cuda_graph:
+            return None
+        buckets = prefill_buckets(min(args.cuda_graph_max_tokens_prefill, self.context_length))
+        if not buckets:
+            return None
+        capture = self.drafter.capture_layer_ids if self.drafter else ()
+        t0 = time.perf_counter()
+        graphs = PrefillGraphs(self.model, self.runner.cache, self.device, buckets, capture)
+        log.info("prefill CUDA graphs captured for %s tokens in %.1f s", "/".join(map(str, buckets)),
+                 time.perf_counter() - t0)
+        return graphs
 
     def _adaptive(self) -> bool:
         spec = self.server_args.spec
@@ -298,11 +319,15 @@ class Engine:
         n = prompt.shape[0]
         capture = self.drafter.capture_layer_ids if self.drafter else ()
         hiddens, captured, pending = [], [], []
+        graphs = self.prefill_graphs
         for a, b in self._segments(start, n):
-            ctx = self.runner.context(ForwardMode.PREFILL, a, b - a, capture)
-            h = self.model(prompt[a:b], ctx)
+            if graphs is not None and graphs.bucket(a, b - a) is not None:  # a short piece: a graph's replay
+                h, caps = graphs.run(prompt[a:b], a)
+            else:
+                ctx = self.runner.context(ForwardMode.PREFILL, a, b - a, capture)
+                h, caps = self.model(prompt[a:b], ctx), ctx.captured
             hiddens.append(h)
-            captured.append(ctx.captured)
+            captured.append(caps)
             if b < n:  # a stride boundary: the state there, recorded once the drafter's rows exist
                 pending.append((b, [t.clone() for t in self.prefix_cache.state_buffers], h[-1:].clone()))
         if not hiddens:

@@ -27,7 +27,9 @@ class ForwardContext:
     capture_layer_ids: tuple[int, ...] = ()  # decoder layers whose outputs to keep (DSpark features)
     captured: list[torch.Tensor] = field(default_factory=list)  # filled in layer-id order
     # A verify whose drafter shortened the prefix on the device: rows >= active_rows ([1] int64) are computed but
-    # never committed, so the MoE routes them to no expert (reads no weights for them). None: every row counts.
+    # never committed, so the MoE routes them to no expert (reads no weights for them). In a PREFILL, the rows
+    # past it are a captured short prefill's padding (engine/prefill_graph.py): KDA passes its states through them
+    # unchanged too. None: every row counts.
     active_rows: torch.Tensor | None = None
 
     @property

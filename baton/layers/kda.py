@@ -94,7 +94,7 @@ class KimiDeltaAttention(nn.Module):
             f, gate = self.f_b_proj.linear(f), self.g_b_proj.linear(gate)
         conv_w = self.conv1d.weight[:, 0, :]  # [3P, W]
         if ctx.mode is ForwardMode.PREFILL:
-            o = self._prefill(qkv, f, gate, b, conv_w, state)
+            o = self._prefill(qkv, f, gate, b, conv_w, state, ctx.active_rows)
         else:
             staging = ctx.stages_state
             conv = {}
@@ -109,16 +109,28 @@ class KimiDeltaAttention(nn.Module):
                                     not staging, self.o_norm.weight, gate.reshape(t, h, k), self.o_norm.eps, **conv)
         return self.o_proj.project(o.reshape(t, p), residual)
 
-    def _prefill(self, qkv, f, gate, b, conv_w, state: KDAState) -> torch.Tensor:
-        """The chunked (parallel) form over the whole prompt; updates the persistent state."""
+    def _prefill(self, qkv, f, gate, b, conv_w, state: KDAState, active_rows: torch.Tensor | None = None):
+        """The chunked (parallel) form over the whole prompt; updates the persistent state.
+
+        ``active_rows`` (a device value, [1] or 0-d): a padded prefill (``baton.engine.prefill_graph``), whose rows
+        from ``active_rows`` on are padding. They become no-ops of the recurrence (log-decay 0 and beta 0: the
+        state passes through them unchanged, exactly), and the carried conv window is the one after the last real
+        row, so the states after the call are those after ``active_rows`` tokens; the padding rows' outputs are
+        computed and never used."""
         t, h, k, p = qkv.shape[0], self.num_heads, self.head_dim, self.proj_dim
         qkv, windows = short_conv(qkv, conv_w, state.conv)
         q, kk, v = (z.view(t, h, k) for z in qkv.split(p, dim=-1))
         g = kda_gate(f.reshape(t, h, k), self.A_log, self.dt_bias, self.lower_bound)  # [T, H, K] fp32
         beta = torch.sigmoid(b.float())  # [T, H]
+        last = windows[-1]
+        if active_rows is not None:
+            n = active_rows.reshape(1)
+            real = (torch.arange(t, device=g.device) < n).to(g.dtype)  # [T]: 1 for the prompt's rows
+            g, beta = g * real[:, None, None], beta * real[:, None]
+            last = windows.index_select(0, (n - 1).clamp(min=0))[0]
         o, final = kda_chunk(q, kk, v, g, beta, state.recurrent, bounded_gate=self.lower_bound is not None)
         state.recurrent.copy_(final)
-        state.conv.copy_(windows[-1])
+        state.conv.copy_(last)
         return self.o_norm(o, gate.reshape(t, h, k))
 
     def make_cache(self, max_len: int, dtype: torch.dtype, device, max_stage: int = 8) -> KDAState:

@@ -351,8 +351,19 @@ JOBS: list[Job] = [
         commands=("python3 -m benchmarks.bench_prefix_cache --num-layers 42 --quantization fp8 --input-len 8192 "
                   "--output-len 32 --followup-len 100 --repeats 3 --modes plain,nextn",
                   f"set -o pipefail; {PYTEST} -m gpu tests/engine/test_prefix_cache_gpu.py "
+                  "tests/engine/test_cuda_graphs.py -k 'prefix or prefill' "
                   "--junitxml=$R/junit_prefix_cache.xml 2>&1 | tee $R/tests_prefix_cache.log"),
         gpus=1, limit_s=330, outputs=("prefix_cache_*.json", "junit_prefix_cache.xml")),
+    Job("prefill-graph", "issue 23: short prefills as captured CUDA graphs (engine/prefill_graph.py): their GPU "
+                         "tests (graph == eager, fp32 and bf16, no blocking read; the prefix cache under graphs), "
+                         "then the cached follow-up's TTFT with the graphs against the eager prefill in the same "
+                         "engine, on 18 fp8 Ling layers (fits an H100), plain",
+        commands=(f"set -o pipefail; {PYTEST} -m gpu tests/engine/test_cuda_graphs.py "
+                  "tests/engine/test_prefix_cache_gpu.py -k 'prefill or prefix or graph_replay_equals_uncaptured_ling' "
+                  "--junitxml=$R/junit_prefill_graph.xml 2>&1 | tee $R/tests_prefill_graph.log",
+                  "python3 -m benchmarks.bench_prefix_cache --num-layers 18 --quantization fp8 --input-len 8192 "
+                  "--output-len 32 --followup-len 100 --repeats 3 --modes plain"),
+        gpus=1, limit_s=300, outputs=("prefix_cache_*.json", "junit_prefill_graph.xml")),
     Job("ling-flash-w8a8-modes", "ling-flash-fp8-modes with fp8 activations (--fp8-activation-scheme dynamic: "
                                  "w8a8, the seed's numerics), NEXTN first",
         commands=(ling(42, "--quantization fp8 --fp8-activation-scheme dynamic --modes nextn,dspark,plain "

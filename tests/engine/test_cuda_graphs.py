@@ -200,3 +200,63 @@ def test_graph_replay_equals_uncaptured_with_depth_changes(ling_path, ckpt_root,
     assert outs[1] == run(cuda_engine(ling_path), max_new_tokens=80)[0]
     for a, b in zip(*rows, strict=True):  # the drafter's context after the catch-ups: captured == uncaptured
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
+
+
+def _prefill_engine(path: str, dtype: str, graphs: bool, **kw) -> Engine:
+    return Engine(ServerArgs(model_path=path, device="cuda", dtype=dtype, context_length=512,
+                             disable_prefill_cuda_graph=not graphs, cuda_graph_max_tokens_prefill=64,
+                             prefix_snapshot_stride=32, spec=SpecConfig(adaptive=False, **kw)))
+
+
+@pytest.mark.parametrize("spec", [{}, {"algorithm": "NEXTN", "num_steps": 3}])
+def test_prefill_graph_equals_eager(ling_path, spec):
+    """Short prefills replay their captured graphs (engine/prefill_graph.py): fp32, the same greedy tokens as the
+    eager prefill, cold and after prefix-cache hits (the follow-up's rest replayed at a position > 0), with no
+    blocking read in the replay."""
+    from baton.types import Request, SamplingParams
+
+    eager = _prefill_engine(ling_path, "float32", graphs=False, **spec)
+    graphed = _prefill_engine(ling_path, "float32", graphs=True, **spec)
+    assert eager.prefill_graphs is None and graphed.prefill_graphs.buckets == (16, 32, 64)
+    calls = []
+    run_graph = graphed.prefill_graphs.run
+
+    def checked(t, s):  # raises on a synchronising call inside the replay's launch
+        calls.append((s, t.shape[0]))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return run_graph(t, s)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    graphed.prefill_graphs.run = checked
+
+    def tokens(engine, prompt):
+        sp = SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+        return [t for out in engine.generate(Request(list(prompt), sp)) for t in out.token_ids]
+
+    prompt = [(5 + 7 * i) % 90 + 2 for i in range(45)]
+    for p in (prompt[:20], prompt, prompt + [3, 5, 7], prompt[:40] + [9] * 11):
+        assert tokens(graphed, p) == tokens(eager, p), len(p)
+    assert any(s > 0 for s, _ in calls) and all(n <= 64 for _, n in calls)
+
+
+def test_prefill_graph_replay_equals_its_eager_form_bf16(ling_path):
+    """bf16 (fla-core's chunked KDA inside the graph): a replay gives what the same padded forward gives
+    uncaptured, and the states after it match."""
+    from baton.engine.prefill_graph import PrefillGraphs
+
+    engine = _prefill_engine(ling_path, "bfloat16", graphs=True)
+    graphs, cache = engine.prefill_graphs, engine.runner.cache
+    eager = PrefillGraphs(engine.model, cache, engine.device, graphs.buckets, capture=False)
+    ids = torch.arange(2, 39, device="cuda")
+    out = []
+    with torch.inference_mode():
+        for g in (graphs, eager):
+            cache.reset()
+            h, _ = g.run(ids, 0)
+            out.append((h.float(), [t.float().clone() for t in cache.state_buffers()]))
+    (hg, sg), (he, se) = out
+    torch.testing.assert_close(hg, he, rtol=2e-2, atol=2e-2)
+    for x, y in zip(sg, se, strict=True):
+        torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2)
