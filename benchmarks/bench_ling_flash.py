@@ -119,7 +119,12 @@ def run_mode(args, path: str, spec: dict) -> dict:
                              context_length=args.input_len + args.output_len + 64, spec=SpecConfig(**spec),
                              quantization=args.quantization, fp8_activation_scheme=args.fp8_activation_scheme,
                              tp_size=args.tp_size,
-                             enable_fp8_draft_lm_head=args.enable_fp8_draft_lm_head)
+                             enable_fp8_draft_lm_head=args.enable_fp8_draft_lm_head,
+                             disable_shared_experts_fusion=args.disable_shared_experts_fusion)
+    if args.kda_fused_conv_max_tokens is not None:  # an A/B of the fused KDA conv (class default otherwise)
+        from baton.layers.kda import KimiDeltaAttention
+
+        KimiDeltaAttention.fused_conv_max_tokens = args.kda_fused_conv_max_tokens
     if args.tp_size > 1:
         from baton.engine.tp import run_tp
         from benchmarks.bench_ling_flash import _tp_leader as leader  # by module name: spawned ranks import it
@@ -158,6 +163,12 @@ def main() -> None:
                         "w8a16 (default: none, as baton serve for an at-load quantised checkpoint)")
     p.add_argument("--enable-fp8-draft-lm-head", action="store_true",
                    help="NEXTN drafts take their logits from an fp8 copy of the lm_head (the verify's unchanged)")
+    p.add_argument("--disable-shared-experts-fusion", action="store_true",
+                   help="the MoE shared expert as its own MLP (baton serve's flag; for an A/B of the fusion)")
+    p.add_argument("--kda-fused-conv-max-tokens", type=int, default=None,
+                   help="KimiDeltaAttention.fused_conv_max_tokens for this run (default: the class's, 1): the rows up "
+                        "to which the KDA short conv runs inside the recurrence kernel (an A/B)")
+    p.add_argument("--tag", default="", help="appended to the result file's name (A/B runs of one configuration)")
     p.add_argument("--nextn-accept", type=float, default=3.25, help="nextn: simulated accept length")
     p.add_argument("--dspark-accept", type=float, default=9.95, help="dspark: simulated accept length")
     p.add_argument("--dspark-block-size", type=int, default=16, help="dspark: the random draft's block (gamma)")
@@ -182,12 +193,15 @@ def main() -> None:
     record["fp8_activation_scheme"] = args.fp8_activation_scheme
     record["tp_size"] = args.tp_size
     record["fp8_draft_lm_head"] = args.enable_fp8_draft_lm_head
+    record["shared_experts_fusion"] = not args.disable_shared_experts_fusion
+    record["kda_fused_conv_max_tokens"] = args.kda_fused_conv_max_tokens
     tp = f"_tp{args.tp_size}" if args.tp_size > 1 else ""
     tp += "_fp8head" if args.enable_fp8_draft_lm_head else ""
     modes = "" if names == ["plain", "nextn", "dspark"] else "_" + "-".join(names)
     quant = {None: "", "fp8": "_fp8", "fp8-experts": "_fp8experts"}[args.quantization]
     quant += "_w8a8" if args.fp8_activation_scheme == "dynamic" else ""
-    save(f"ling_flash_{args.num_layers}l{quant}{tp}{modes}", record)
+    tag = f"_{args.tag}" if args.tag else ""
+    save(f"ling_flash_{args.num_layers}l{quant}{tp}{modes}{tag}", record)
 
 
 if __name__ == "__main__":

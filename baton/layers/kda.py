@@ -48,10 +48,13 @@ class FusedShortConv(nn.Module):
 
 
 class KimiDeltaAttention(nn.Module):
-    # Decode / verify / draft / extend: the short conv inside the recurrence kernel (``kda_recurrent_fused`` with
-    # ``conv_weight``). False: the former two calls (``short_conv_update``, then the recurrence), kept for A/B
-    # timing and the tests that compare the two.
-    fused_conv: bool = True
+    # Decode / verify / draft / extend of at most this many rows: the short conv inside the recurrence kernel
+    # (``kda_recurrent_fused`` with ``conv_weight``); more rows (or 0): the two calls (``short_conv_update``, then
+    # the recurrence). Measured on the H200 over the whole fp8 Ling-3.0-flash step (benchmarks/results/
+    # h200-2026-12-07-prefill-graph against h200-2026-12-02b's three launches a layer, census category KDA over
+    # 35 layers): T = 1 197 us fused vs 190 (parity, 70 launches fewer); T = 6 1,126 vs 584; T = 17 2,972 vs
+    # 2,224. So the verify keeps the two calls until the fused kernel's T > 1 tiles are tuned (bench_kda fused).
+    fused_conv_max_tokens: int = 1
 
     def __init__(self, layer_id: int, cfg: LingConfig, device=None, dtype=None) -> None:
         super().__init__()
@@ -98,7 +101,7 @@ class KimiDeltaAttention(nn.Module):
         else:
             staging = ctx.stages_state
             conv = {}
-            if self.fused_conv:  # the raw q|k|v: the kernel runs the conv (and updates / stages its window) itself
+            if t <= self.fused_conv_max_tokens:  # raw q|k|v: the kernel runs the conv, updates / stages its window
                 conv = dict(conv_weight=conv_w, conv_state=state.conv,
                             conv_windows=state.staged_conv if staging else None)
             else:

@@ -232,6 +232,15 @@ JOBS: list[Job] = [
                             "its census (kernels a step by category, after the KDA / MLA / shared-expert fusions)",
         commands=(ling(18, "--quantization fp8 --modes nextn --enable-fp8-draft-lm-head"),),
         gpus=1, limit_s=240, outputs=("ling_flash_*.json",)),
+    Job("ab-fusions-ling18", "issue 22: the fusions A/B in one call, 18 fp8 Ling layers (fits an H100), NEXTN (5, 1, "
+                             "6) at 3.25 with its census each: the default (shared experts fused, KDA conv fused at "
+                             "T = 1 only), then shared experts unfused, then the KDA conv fused at the verify's T = 6 "
+                             "too (the whole model's step regressed 9.76 -> 11.30 ms between c5bf2a4 and 6706a99: "
+                             "MoE + dense GEMMs +1.08 ms, KDA +0.54 ms)",
+        commands=tuple(ling(18, "--quantization fp8 --modes nextn --enable-fp8-draft-lm-head", extra)
+                       for extra in ("--tag default", "--disable-shared-experts-fusion --tag unfused_shared",
+                                     "--kda-fused-conv-max-tokens 64 --tag kda_fused_t6")),
+        gpus=1, limit_s=420, outputs=("ling_flash_*.json",)),
     Job("moe-f16", "issue 22 item 3: the fp8 experts on the fp16 MMA (mode 'f16': the w8a8 kernels with fp16 "
                    "activations, 3.0 SASS instructions a weight against the direct kernels' 4.7-9.3): its kernel "
                    "tests compiled, then T = 1, 6, 17 against the direct kernels with its tile sweep written into "

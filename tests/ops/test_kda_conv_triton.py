@@ -252,7 +252,7 @@ def _layer_forward(layer, cfg, mode, T, fused, seed=7):
     state.staged_conv.fill_(float("nan"))
     x = torch.randn(T, cfg.hidden_size, generator=gen).to(device)
     ctx = ForwardContext(mode, torch.arange(10, 10 + T, device=device), ModelCache({0: state}, 32))
-    layer.fused_conv = fused
+    layer.fused_conv_max_tokens = T if fused else 0
     with torch.inference_mode():
         out = layer(x, ctx)
     return out, (state.recurrent, state.conv), (state.staged_recurrent[:T], state.staged_conv[:T])
