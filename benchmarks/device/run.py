@@ -576,7 +576,11 @@ def main(argv: list[str] | None = None) -> int:
                     "of this many seconds from the start (default 570: a 600 s call)")
     ap.add_argument("--parallel", action="store_true", help="run jobs side by side on free GPUs")
     ap.add_argument("--rerun", action="store_true", help="start a background job again though it finished")
-    ap.add_argument("--skip-setup", action="store_true", help="do not source benchmarks/device_setup.sh")
+    ap.add_argument("--skip-setup", action="store_true",
+                    help="do not source benchmarks/device_setup.sh (for the runner's own background jobs): its "
+                         "environment (PYTHONPATH=/tmp/site, the carried wheels) is then missing even on a warm "
+                         "machine, so fla-core, gguf and the serve wheels do not import (2026-12-08: a test run "
+                         "lost that way); never on a call of your own")
     ap.add_argument("--gpus", type=int, default=None, help="use this many GPUs (default: all; tests: fake ones)")
     ap.add_argument("--out", default=None, help="where the .tgz go (default $OUT)")
     ap.add_argument("--work", default=None, help="the jobs' result folders (default /tmp/baton-jobs)")
