@@ -174,6 +174,8 @@ def main() -> None:
     p.add_argument("--dspark-block-size", type=int, default=16, help="dspark: the random draft's block (gamma)")
     p.add_argument("--dspark-layers", type=int, default=2, help="dspark: the random draft's layers")
     args = p.parse_args()
+    if args.kda_fused_conv_max_tokens is not None and args.tp_size > 1:
+        p.error("--kda-fused-conv-max-tokens sets a class attribute in this process; the TP ranks would not see it")
     path = flash_dir()
     names = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = sorted(set(names) - {"plain", "nextn", "dspark"})

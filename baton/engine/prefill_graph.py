@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from baton.engine.step import capture_graph
 from baton.layers.context import ForwardContext
 from baton.types import ForwardMode
 
@@ -82,12 +83,11 @@ class PrefillGraphs:
         self.num_valid = torch.ones(1, dtype=torch.long, device=device)
         self.arange = torch.arange(top, device=device)
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph | None, torch.Tensor, list[torch.Tensor]]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list[torch.Tensor]]] = {}
         if capture:
             with torch.inference_mode():
                 for b in self.buckets:
                     self._graphs[b] = self._capture(b)
-            self.start.zero_()
             cache.reset()
             torch.cuda.synchronize(device)
 
@@ -105,18 +105,10 @@ class PrefillGraphs:
         hidden = self.model(self.tokens[:b], ctx)
         return hidden, ctx.captured
 
-    def _capture(self, b: int):
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, list[torch.Tensor]]:
         self.start.zero_()
         self.num_valid.fill_(b)
-        stream = torch.cuda.Stream(device=self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: Triton compilation, fla-core's autotuning, the allocator
-                self._forward(b)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden, captured = self._forward(b)
+        graph, (hidden, captured) = capture_graph(lambda: self._forward(b), self.pool)
         return graph, hidden, captured
 
     def run(self, tokens: torch.Tensor, start: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -32,8 +32,8 @@ rejection rule with a one-hot q (lossless: ``spec.verify.rejection_verify``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,6 +49,28 @@ if TYPE_CHECKING:
     from baton.speculative.base import Drafter
 
 log = logging.getLogger(__name__)
+
+
+def capture_graph(body: Callable[[], Any], pool, before: Callable[[], Any] | None = None
+                  ) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``body`` captured as a CUDA graph in ``pool``: two eager warm-up runs on a side stream (the allocator,
+    Triton compilation and autotuning, cuBLAS handles), then the capture; ``before`` runs ahead of each of the three
+    (resetting what the body advances). Returns the graph and what the captured run of ``body`` returned (its
+    static outputs). Used by the step program and the short-prefill graphs (engine/prefill_graph.py)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            if before is not None:
+                before()
+            body()
+    torch.cuda.current_stream().wait_stream(stream)
+    if before is not None:
+        before()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = body()
+    return graph, out
 
 
 class StepProgram:
@@ -240,18 +262,7 @@ class StepProgram:
     # ---- capture and replay ----
 
     def _capture(self, body) -> torch.cuda.CUDAGraph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: allocator, Triton compilation, cuBLAS handles
-                self.relay.pos.zero_()
-                body()
-        torch.cuda.current_stream().wait_stream(stream)
-        self.relay.pos.zero_()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            body()
-        return graph
+        return capture_graph(body, self.pool, before=self.relay.pos.zero_)[0]
 
     def start(self, anchor: torch.Tensor, pos: int) -> None:
         """Load the relay after the prefill (and the drafter's begin)."""
